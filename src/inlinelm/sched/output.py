@@ -1,0 +1,101 @@
+"""Typed records that leave the scheduler: the batch for the runner, and per-step outputs.
+
+All of them are plain data (no tensors, no futures) so they can cross the thread seam.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from inlinelm.sched.request import Request
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped: OpenAI's ``finish_reason`` values plus ``error``."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request in a step: compute ``num_tokens`` tokens from ``request.num_computed_tokens``."""
+
+    request: Request
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the runner executes this step (decodes first, then prefill chunks)."""
+
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    # Requests the runner must forget (finished, aborted or preempted since the last step).
+    removed_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs at one position: the sampled token first, then the top-N, with ranks."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """The tokens sampled in one step, for the requests whose prompt is fully computed."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """One request's news from one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    """Everything one engine step produced; posted to the frontend once per step.
+
+    ``error`` is set (and ``outputs`` empty) exactly once, when the engine thread dies.
+    """
+
+    outputs: list[EngineCoreOutput]
+    step_index: int = 0
+    step_start: float = 0.0
+    step_end: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_used: int = 0
+    error: BaseException | None = None
+
+
+class Runner(Protocol):
+    """What the engine thread calls to run one step (the model, or the echo runner)."""
+
+    num_kv_blocks: int
+
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute the batch, write its KV, and sample one token per finished prompt."""
+        ...
+
+    def close(self) -> None:
+        """Release weights, the KV cache and any device memory."""
+        ...

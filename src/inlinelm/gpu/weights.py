@@ -1,0 +1,141 @@
+"""Load safetensors weights into our fused Llama-family model."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inlinelm.errors import ModelLoadError
+from inlinelm.gpu.attention import AttentionBackend
+from inlinelm.gpu.llama import LlamaForCausalLM, RotaryEmbedding
+from inlinelm.gpu.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """Where one checkpoint tensor goes: a parameter, and a row range of it for fused ones."""
+
+    param: str
+    shard: str
+
+
+def load_model(
+    folder: Path, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, backend: AttentionBackend, max_positions: int
+) -> LlamaForCausalLM:
+    """Build the model and fill every parameter from ``folder/*.safetensors``.
+
+    Raises ``ModelLoadError`` naming the file and tensor for truncated files, shape
+    mismatches, non-float tensors and missing tensors; nothing half-loaded is returned.
+    """
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend, max_positions=1)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions).to(device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = _load_files(folder, cfg, params)
+    _check_complete(folder, cfg, params, loaded)
+    logger.info("loaded %s weights in %.2f s", folder.name, time.perf_counter() - start)
+    return model.eval()
+
+
+def _load_files(folder: Path, cfg: ModelConfig, params: dict[str, torch.nn.Parameter]) -> set[_Target]:
+    from safetensors import SafetensorError, safe_open
+
+    loaded: set[_Target] = set()
+    files = sorted(folder.glob("*.safetensors"))
+    for i, path in enumerate(files):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    target = _target(name, cfg)
+                    if target is not None:
+                        _copy(f.get_tensor(name), target, params, cfg, path, name)
+                        loaded.add(target)
+        except SafetensorError as e:
+            raise ModelLoadError(f"unreadable or truncated safetensors file ({e})", path=str(path)) from e
+        logger.info("loaded weight file %d/%d: %s (%.1f MiB)", i + 1, len(files), path.name, path.stat().st_size / 2**20)
+    return loaded
+
+
+def _target(name: str, cfg: ModelConfig) -> _Target | None:
+    """Map a Hugging Face tensor name to our parameter and shard (None: not ours to load)."""
+    if name == "model.embed_tokens.weight":
+        return _Target("embed_tokens.weight", "all")
+    if name == "model.norm.weight":
+        return _Target("norm.weight", "all")
+    if name == "lm_head.weight":
+        return None if cfg.tie_word_embeddings else _Target("lm_head.weight", "all")
+    match = _LAYER.match(name)
+    if match is None:
+        return None
+    prefix, rest = f"layers.{match.group(1)}.", match.group(2)
+    fused = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+        "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+        "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+        "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+        "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+    }
+    module, _, kind = rest.rpartition(".")
+    if module in fused:
+        dest, shard = fused[module]
+        return _Target(f"{prefix}{dest}.{kind}", shard)
+    if "rotary_emb" in rest:
+        return None
+    return _Target(f"{prefix}{rest}", "all")
+
+
+def _rows(target: _Target, cfg: ModelConfig) -> tuple[int, int] | None:
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    ranges = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
+    return ranges.get(target.shard)
+
+
+def _copy(
+    tensor: torch.Tensor, target: _Target, params: dict[str, torch.nn.Parameter], cfg: ModelConfig, path: Path, name: str
+) -> None:
+    if target.param not in params:
+        raise ModelLoadError("tensor does not belong to this architecture", path=str(path), field=name)
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise ModelLoadError(f"unsupported weight dtype {tensor.dtype}", path=str(path), field=name)
+    dest = params[target.param].data
+    rows = _rows(target, cfg)
+    if rows is not None:
+        dest = dest[rows[0] : rows[1]]
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ModelLoadError(
+            f"shape mismatch: file has {tuple(tensor.shape)}, model expects {tuple(dest.shape)}",
+            path=str(path),
+            field=name,
+        )
+    dest.copy_(tensor)
+
+
+def _check_complete(folder: Path, cfg: ModelConfig, params: dict[str, torch.nn.Parameter], loaded: set[_Target]) -> None:
+    expected = {_Target(name, shard) for name in params for shard in _shards(name, cfg)}
+    if cfg.tie_word_embeddings:
+        expected.discard(_Target("lm_head.weight", "all"))
+    missing = sorted(f"{t.param}[{t.shard}]" for t in expected - loaded)
+    if missing:
+        raise ModelLoadError(f"{len(missing)} weight tensors missing, first: {missing[0]}", path=str(folder), field=missing[0])
+
+
+def _shards(name: str, cfg: ModelConfig) -> tuple[str, ...]:
+    if ".qkv_proj." in name:
+        return ("q", "k", "v")
+    if ".gate_up_proj." in name:
+        return ("gate", "up")
+    return ("all",)

@@ -1,0 +1,273 @@
+"""One step's sampling settings as device tensors, one row per sequence in the batch.
+
+:meth:`SamplingMetadata.build` turns the per-request :class:`~inlinelm.sampling_params.SamplingParams`
+into the tensors :class:`~inlinelm.gpu.sampler.Sampler` needs, and leaves out (``None``) every
+tensor no row uses, so a batch without penalties never allocates a ``[B, V]`` count table and an
+all-greedy batch reduces to one ``argmax``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from inlinelm.errors import RequestError
+from inlinelm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RepetitionPenalty:
+    """HF-style repetition penalty over prompt and output tokens.
+
+    ``penalty`` is ``[B]`` float32 (1.0 where off); ``seen`` is ``[B, V]`` bool, true for every
+    token in the row's prompt or output (left all false for rows with the penalty off).
+    """
+
+    penalty: torch.Tensor
+    seen: torch.Tensor
+
+
+@dataclass(slots=True)
+class OccurrencePenalty:
+    """OpenAI-style presence and frequency penalties over output tokens.
+
+    ``presence`` and ``frequency`` are ``[B]`` float32 (0.0 where off); ``counts`` is ``[B, V]``
+    float32, how often each token occurs in the row's output so far.
+    """
+
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    counts: torch.Tensor
+
+
+@dataclass(slots=True)
+class LogitBias:
+    """Sparse additive bias: ``logits[rows[j], token_ids[j]] += values[j]`` (all ``[K]``)."""
+
+    rows: torch.Tensor
+    token_ids: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Sampling settings for a batch of ``num_rows`` sequences, as tensors on one device.
+
+    Every optional tensor is ``None`` when no row needs it. Greedy rows (``temperature == 0``
+    or ``top_k == 1``) carry neutral values in the random-sampling tensors (temperature 1.0,
+    top-k off, top-p 1.0, min-p 0.0) and no generator.
+    """
+
+    num_rows: int
+    vocab_size: int
+    # True when every row is greedy / no row is greedy (both true only for an empty batch).
+    all_greedy: bool
+    all_random: bool
+    # [B] bool, true for greedy rows; None when all_greedy or all_random.
+    greedy_mask: torch.Tensor | None
+    # [B] float32, 1.0 for greedy rows; None when every random row has temperature 1.0.
+    temperature: torch.Tensor | None
+    # [B] int64 in [1, V], V meaning off; None when no random row uses top-k.
+    top_k: torch.Tensor | None
+    # The largest top-k that is on (< V); 0 when top_k is None.
+    max_top_k: int
+    # [B] float32 in (0, 1]; None when no random row uses top-p.
+    top_p: torch.Tensor | None
+    # [B] float32 in [0, 1]; None when no random row uses min-p.
+    min_p: torch.Tensor | None
+    # Row index -> the request's own generator, for seeded random rows only.
+    generators: dict[int, torch.Generator]
+    repetition: RepetitionPenalty | None
+    occurrence: OccurrencePenalty | None
+    logit_bias: LogitBias | None
+    # Per row: how many top logprobs it wants (0 = only the sampled token's), None = none.
+    num_logprobs: list[int | None]
+    # max(num_logprobs) over rows that want logprobs; None when no row does.
+    max_num_logprobs: int | None
+
+    @property
+    def no_penalties(self) -> bool:
+        """True when no row uses a repetition, presence or frequency penalty."""
+        return self.repetition is None and self.occurrence is None
+
+    @property
+    def no_logit_bias(self) -> bool:
+        """True when no row has a logit bias."""
+        return self.logit_bias is None
+
+    @property
+    def plain_greedy(self) -> bool:
+        """True when sampling is a bare ``argmax`` of the raw logits (the fast path)."""
+        return (
+            self.all_greedy
+            and self.no_penalties
+            and self.no_logit_bias
+            and self.max_num_logprobs is None
+        )
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        """Build the metadata for one step; all sequences are indexed by batch row.
+
+        ``generators[i]`` is row ``i``'s own generator (on ``device``) when its request has a
+        seed, else ``None``; it is only drawn from while the row samples randomly. Token ids must
+        lie in ``[0, vocab_size)``; a ``logit_bias`` key outside it raises
+        :class:`~inlinelm.errors.RequestError` (admission should reject it first, see
+        :func:`check_token_ids`).
+        """
+        assert len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators)
+        check_token_ids(params, vocab_size)
+        greedy = [p.greedy for p in params]
+        builder = _Columns(params, greedy, device)
+        num_logprobs = [p.logprobs for p in params]
+        wanted = [n for n in num_logprobs if n is not None]
+        top_k, max_top_k = builder.top_k(vocab_size)
+        return cls(
+            num_rows=len(params),
+            vocab_size=vocab_size,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            greedy_mask=_greedy_mask(greedy, device),
+            temperature=builder.column(lambda p: p.temperature, 1.0),
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=builder.column(lambda p: p.top_p, 1.0),
+            min_p=builder.column(lambda p: p.min_p, 0.0),
+            generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
+            repetition=_repetition(params, prompt_token_ids, output_token_ids, vocab_size, device),
+            occurrence=_occurrence(params, output_token_ids, vocab_size, device),
+            logit_bias=_logit_bias(params, device),
+            num_logprobs=num_logprobs,
+            max_num_logprobs=max(wanted) if wanted else None,
+        )
+
+
+def check_token_ids(params: Sequence[SamplingParams], vocab_size: int) -> None:
+    """Raise :class:`~inlinelm.errors.RequestError` if a ``logit_bias`` key is not a token id."""
+    for p in params:
+        bad = [t for t in p.logit_bias if t >= vocab_size]
+        if bad:
+            raise RequestError(
+                f"invalid logit_bias: token id {bad[0]} is outside the vocabulary "
+                f"(size {vocab_size})",
+                param="logit_bias",
+            )
+
+
+class _Columns:
+    """Builds ``[B]`` columns of random-sampling settings, neutral for greedy rows."""
+
+    def __init__(
+        self, params: Sequence[SamplingParams], greedy: list[bool], device: torch.device
+    ) -> None:
+        self.params = params
+        self.greedy = greedy
+        self.device = device
+
+    def column(
+        self,
+        value: Callable[[SamplingParams], float | int],
+        neutral: float | int,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor | None:
+        """The column of ``value(p)``, or ``None`` when every random row has the neutral value."""
+        values = [neutral if g else value(p) for p, g in zip(self.params, self.greedy, strict=True)]
+        if all(v == neutral for v in values):
+            return None
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def top_k(self, vocab_size: int) -> tuple[torch.Tensor | None, int]:
+        """The top-k column (``vocab_size`` meaning off) and the largest k that is on."""
+        column = self.column(
+            lambda p: min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size,
+            vocab_size,
+            torch.int64,
+        )
+        ks = [p.top_k for p, g in zip(self.params, self.greedy, strict=True) if not g]
+        return column, max((k for k in ks if 0 < k < vocab_size), default=0)
+
+
+def _greedy_mask(greedy: list[bool], device: torch.device) -> torch.Tensor | None:
+    if all(greedy) or not any(greedy):
+        return None
+    return torch.tensor(greedy, dtype=torch.bool, device=device)
+
+
+def _repetition(
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> RepetitionPenalty | None:
+    used = [p.repetition_penalty != 1.0 for p in params]
+    if not any(used):
+        return None
+    tokens = [
+        itertools.chain(prompt, output) if u else ()
+        for u, prompt, output in zip(used, prompt_token_ids, output_token_ids, strict=True)
+    ]
+    rows, ids = _flat_index(tokens, device)
+    seen = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
+    seen[rows, ids] = True
+    return RepetitionPenalty(_floats([p.repetition_penalty for p in params], device), seen)
+
+
+def _occurrence(
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> OccurrencePenalty | None:
+    used = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
+    if not any(used):
+        return None
+    rows, ids = _flat_index(
+        [out if u else () for u, out in zip(used, output_token_ids, strict=True)], device
+    )
+    counts = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
+    # NOTE: accumulating 1.0s is exact (counts < 2**24), so atomic ordering cannot change it.
+    counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+    return OccurrencePenalty(
+        presence=_floats([p.presence_penalty for p in params], device),
+        frequency=_floats([p.frequency_penalty for p in params], device),
+        counts=counts,
+    )
+
+
+def _logit_bias(params: Sequence[SamplingParams], device: torch.device) -> LogitBias | None:
+    entries = [(i, t, v) for i, p in enumerate(params) for t, v in p.logit_bias.items()]
+    if not entries:
+        return None
+    rows, ids, values = zip(*entries, strict=True)
+    return LogitBias(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        token_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        values=torch.tensor(values, dtype=torch.float32, device=device),
+    )
+
+
+def _flat_index(
+    token_lists: Sequence[Sequence[int] | itertools.chain[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token id) pairs for every token of every row, as two ``[N]`` int64 tensors."""
+    lists = [list(tokens) for tokens in token_lists]
+    lengths = torch.tensor([len(t) for t in lists], dtype=torch.int64, device=device)
+    ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(lists), device=device), lengths)
+    return rows, ids
+
+
+def _floats(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)

@@ -1,0 +1,125 @@
+"""Engine-side request state: plain data owned by the engine thread.
+
+The scheduler mutates it; the runner reads it (``request_id``, ``prompt_token_ids``,
+``output_token_ids``, ``all_token_ids``, ``num_computed_tokens``, ``block_ids``, ``params``).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from inlinelm.sampling_params import SamplingParams
+from inlinelm.sched.output import FinishReason
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life on the engine thread."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        """True for every ``FINISHED_*`` status."""
+        return self in _FINISHED
+
+    @classmethod
+    def finished(cls, reason: FinishReason) -> RequestStatus:
+        """The final status that matches a finish reason."""
+        return _STATUS_OF_REASON[reason]
+
+
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
+_STATUS_OF_REASON = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence being generated: its tokens, its progress and its KV blocks.
+
+    ``num_computed_tokens`` counts the leading tokens of ``all_token_ids`` whose KV is in
+    ``block_ids``. Preemption resets it to 0 and empties ``block_ids``; the output so far is
+    kept and recomputed with the prompt on re-admission.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Prompt tokens served from the prefix cache at first admission.
+    num_cached_tokens: int = 0
+    # Chain hashes of the full blocks of ``all_token_ids`` computed so far (a pure function
+    # of the tokens, so they stay valid across preemption).
+    block_hashes: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    _all_token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        assert self.prompt_token_ids, "a request needs at least one prompt token"
+        self._all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def priority(self) -> int:
+        """Admission priority: lower values are admitted first."""
+        return self.params.priority
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens (a live list: read it, never mutate it)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output length."""
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """How many tokens were generated so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not computed yet (1 while decoding)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request stopped for any reason."""
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record one sampled token."""
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)

@@ -1,0 +1,388 @@
+"""The scheduler: decides what each engine step computes and applies what it sampled.
+
+It runs on the engine thread only. One step is ``schedule()`` → ``runner.execute()`` →
+``update_from_output()``; nothing else may run between the first two.
+
+Policy, in order of precedence:
+
+1. Running requests first: decodes (one token each), then the next chunk of any prompt
+   still being prefilled, within the token budget and the sequence cap.
+2. When a running request needs a block and none is free, the running request with the
+   highest ``priority`` value (latest admitted among equals) that is not yet scheduled in
+   this step is preempted by recompute: its blocks are freed and it goes back to waiting,
+   keeping its output. No new request is admitted in a step that preempted.
+3. Then waiting requests are admitted in (priority, arrival) order, reusing their longest
+   cached prefix, while blocks, budget and the sequence cap allow. The head of the queue is
+   never skipped, so nobody starves behind later arrivals.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from inlinelm.config import EngineConfig
+from inlinelm.errors import RequestError
+from inlinelm.sched.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from inlinelm.sched.output import (
+    EngineCoreOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from inlinelm.sched.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class _Budget:
+    """What is left of one step's token budget and sequence cap."""
+
+    num_tokens: int
+    num_seqs: int
+
+    @property
+    def exhausted(self) -> bool:
+        return self.num_tokens <= 0 or self.num_seqs <= 0
+
+    def take(self, num_tokens: int) -> None:
+        self.num_tokens -= num_tokens
+        self.num_seqs -= 1
+
+
+class WaitingQueue:
+    """Waiting and preempted requests, ordered by (priority, arrival time).
+
+    A preempted request keeps its arrival time, so it goes back ahead of everything that
+    arrived after it at the same priority.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._live: dict[str, Request] = {}
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[Request]:
+        """The queued requests, in no particular order."""
+        return iter(list(self._live.values()))
+
+    def push(self, request: Request) -> None:
+        """Queue ``request`` at its place."""
+        key = (request.priority, request.arrival_time, next(self._counter), request)
+        heapq.heappush(self._heap, key)
+        self._live[request.request_id] = request
+
+    def peek(self) -> Request | None:
+        """The next request to admit, or None when empty."""
+        while self._heap:
+            request = self._heap[0][3]
+            if self._live.get(request.request_id) is request:
+                return request
+            heapq.heappop(self._heap)  # removed earlier: entries are dropped lazily, here
+        return None
+
+    def pop(self) -> Request:
+        """Remove and return the next request to admit (the queue must not be empty)."""
+        request = self.peek()
+        assert request is not None, "pop() from an empty waiting queue"
+        heapq.heappop(self._heap)
+        del self._live[request.request_id]
+        return request
+
+    def remove(self, request: Request) -> None:
+        """Take ``request`` out of the queue if it is there."""
+        if self._live.get(request.request_id) is request:
+            del self._live[request.request_id]
+
+
+class Scheduler:
+    """Waiting and running queues, the KV cache manager, and the finish checks."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_kv_blocks: int,
+        eos_token_id: int | None,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.kv_cache = KVCacheManager(
+            num_kv_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
+        self.max_model_len = self._resolve_max_model_len(num_kv_blocks, max_model_len)
+        self._check_config()
+        # A step never holds more sequences than tokens, so every running request gets a
+        # token each step and none is starved by the budget.
+        self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._requests: dict[str, Request] = {}
+        self._removed_ids: list[str] = []
+
+    # -- queries ---------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission (new or preempted)."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks (decoding or mid-prefill)."""
+        return len(self.running)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Size of the KV block pool."""
+        return self.kv_cache.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds."""
+        return self.kv_cache.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some request holds."""
+        return self.kv_cache.num_used_blocks
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache queried and hit token counts since start."""
+        return self.kv_cache.stats
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, if any."""
+        return self._requests.get(request_id)
+
+    # -- inputs ----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Its prompt must be shorter than ``max_model_len``."""
+        assert request.request_id not in self._requests, f"duplicate id {request.request_id}"
+        assert request.status is RequestStatus.WAITING, "add_request() of a used request"
+        assert request.num_tokens < self.max_model_len, "prompt must be < max_model_len"
+        if request.eos_token_id is None:
+            request.eos_token_id = self.eos_token_id
+        self._requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Abort requests in any state; returns the ids that were still unfinished.
+
+        Idempotent: unknown or finished ids are ignored. Blocks go back to the pool at
+        once, so the caller must not be inside a step whose runner may still write them.
+        """
+        return self.finish_requests(request_ids, FinishReason.ABORT)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> list[str]:
+        """Finish unfinished requests with ``reason``; returns those that were unfinished."""
+        finished = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._finish(request, reason)
+                finished.append(request_id)
+        self._drop_finished_running()
+        return finished
+
+    def finish_all(self, reason: FinishReason) -> list[str]:
+        """Finish every unfinished request, releasing all blocks."""
+        return self.finish_requests(list(self._requests), reason)
+
+    # -- schedule --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch: decodes, then prefill chunks; preempt if short of blocks.
+
+        Never exceeds ``max_num_batched_tokens`` tokens or ``max_num_seqs`` sequences.
+        """
+        budget = _Budget(self.config.max_num_batched_tokens, self.max_num_seqs)
+        scheduled: list[ScheduledRequest] = []
+        num_preemptions = self.num_preemptions
+        self._schedule_running(budget, scheduled)
+        if self.num_preemptions == num_preemptions:
+            self._schedule_waiting(budget, scheduled)
+        removed_ids, self._removed_ids = self._removed_ids, []
+        num_batched_tokens = sum(item.num_tokens for item in scheduled)
+        return SchedulerOutput(scheduled, num_batched_tokens, removed_ids)
+
+    def _schedule_running(self, budget: _Budget, scheduled: list[ScheduledRequest]) -> None:
+        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
+        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        for request in decodes + prefills:
+            if budget.exhausted:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_tokens = self._num_tokens_to_schedule(request.num_uncomputed_tokens, budget)
+            if num_tokens and self._allocate_or_preempt(request, num_tokens, scheduled):
+                scheduled.append(ScheduledRequest(request, num_tokens))
+                budget.take(num_tokens)
+
+    def _schedule_waiting(self, budget: _Budget, scheduled: list[ScheduledRequest]) -> None:
+        while not budget.exhausted and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            if request is None or not self._admit(request, budget, scheduled):
+                return
+
+    def _admit(self, request: Request, budget: _Budget, scheduled: list[ScheduledRequest]) -> bool:
+        computed = self.kv_cache.get_computed_blocks(request)
+        num_new = request.num_tokens - computed.num_tokens
+        num_tokens = self._num_tokens_to_schedule(num_new, budget)
+        if num_tokens == 0 or not self.kv_cache.allocate_slots(request, num_tokens, computed):
+            return False
+        self.waiting.pop()
+        if request.status is RequestStatus.WAITING:
+            request.num_cached_tokens = computed.num_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        scheduled.append(ScheduledRequest(request, num_tokens))
+        budget.take(num_tokens)
+        return True
+
+    def _num_tokens_to_schedule(self, num_uncomputed: int, budget: _Budget) -> int:
+        """How many of ``num_uncomputed`` tokens fit this step (0: none)."""
+        if num_uncomputed > budget.num_tokens and not self.config.enable_chunked_prefill:
+            return 0
+        return min(num_uncomputed, budget.num_tokens)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_tokens: int, scheduled: list[ScheduledRequest]
+    ) -> bool:
+        """Allocate slots for ``request``, preempting others (or itself) until they fit."""
+        while not self.kv_cache.allocate_slots(request, num_tokens):
+            victim = self._pick_victim(scheduled)
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _pick_victim(self, scheduled: list[ScheduledRequest]) -> Request:
+        # NOTE: requests already in this step's batch are never victims: their blocks are
+        # about to be written. The caller itself is unscheduled, so a victim always exists.
+        taken = {item.request.request_id for item in scheduled}
+        candidates = [r for r in reversed(self.running) if r.request_id not in taken]
+        return max(candidates, key=lambda r: r.priority)
+
+    def _preempt(self, request: Request) -> None:
+        """Free ``request``'s blocks and send it back to waiting, keeping its output."""
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._removed_ids.append(request.request_id)
+        self.waiting.push(request)
+
+    # -- update ----------------------------------------------------------------------
+
+    def update_from_output(
+        self, batch: SchedulerOutput, out: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one executed step: advance progress, append sampled tokens, finish requests.
+
+        Returns one output per request that got a token this step. Requests finished (e.g.
+        aborted) after ``batch`` was scheduled are skipped.
+        """
+        sampled = {request_id: i for i, request_id in enumerate(out.req_ids)}
+        outputs = []
+        for item in batch.scheduled:
+            request = item.request
+            if request.is_finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += item.num_tokens
+            self.kv_cache.cache_full_blocks(request)
+            index = sampled.get(request.request_id)
+            if index is not None:
+                outputs.append(self._append_token(request, out, index))
+        self._drop_finished_running()
+        return outputs
+
+    def _append_token(
+        self, request: Request, out: ModelRunnerOutput, index: int
+    ) -> EngineCoreOutput:
+        assert request.num_computed_tokens == request.num_tokens, "sampled before the end"
+        token_id = out.sampled_token_ids[index]
+        request.append_output_token(token_id)
+        output = EngineCoreOutput(
+            request.request_id,
+            [token_id],
+            new_logprobs=_logprobs_at(out, index),
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        reason = self._check_stop(request, token_id)
+        if reason is not None:
+            self._finish(request, reason)
+            output.finish_reason = reason
+            output.stop_reason = request.stop_reason
+        return output
+
+    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
+        """EOS and stop tokens (not among the first ``min_tokens``), then the length caps."""
+        params = request.params
+        if request.num_output_tokens > params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return FinishReason.STOP
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        """Mark ``request`` finished, free its blocks and forget it (running is filtered later)."""
+        request.status = RequestStatus.finished(reason)
+        request.finish_reason = reason
+        self.waiting.remove(request)
+        self.kv_cache.free(request)
+        del self._requests[request.request_id]
+        self._removed_ids.append(request.request_id)
+
+    def _drop_finished_running(self) -> None:
+        if any(r.is_finished for r in self.running):
+            self.running = [r for r in self.running if not r.is_finished]
+
+    # -- config ----------------------------------------------------------------------
+
+    def _resolve_max_model_len(self, num_kv_blocks: int, max_model_len: int | None) -> int:
+        capacity = num_kv_blocks * self.config.block_size
+        resolved = self.config.max_model_len or max_model_len or capacity
+        if resolved > capacity:
+            raise RequestError(
+                f"max_model_len {resolved} needs more KV blocks than the {num_kv_blocks} "
+                f"available ({capacity} tokens)",
+                param="max_model_len",
+            )
+        return resolved
+
+    def _check_config(self) -> None:
+        if (
+            not self.config.enable_chunked_prefill
+            and self.max_model_len > self.config.max_num_batched_tokens
+        ):
+            raise RequestError(
+                "without chunked prefill, max_num_batched_tokens must be >= max_model_len",
+                param="max_num_batched_tokens",
+            )
+
+
+def _logprobs_at(out: ModelRunnerOutput, index: int) -> list[TokenLogprobs] | None:
+    entry = out.logprobs[index] if out.logprobs is not None else None
+    return [entry] if entry is not None else None

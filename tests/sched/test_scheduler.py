@@ -1,0 +1,428 @@
+"""Scheduler driven by the EchoRunner: budgets, chunking, priority, preemption, finish checks."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+from inlinelm.config import EngineConfig
+from inlinelm.errors import RequestError
+from inlinelm.gpu.echo_runner import EchoRunner
+from inlinelm.sampling_params import SamplingParams
+from inlinelm.sched.output import EngineCoreOutput, FinishReason, SchedulerOutput
+from inlinelm.sched.request import Request, RequestStatus
+from inlinelm.sched.scheduler import Scheduler
+
+EOS = 2
+
+
+def expected_echo(
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
+    max_model_len: int = 10**9,
+) -> list[int]:
+    """What the echo runner and the scheduler's finish checks produce for one request."""
+    cycle = [*prompt, EOS]
+    out: list[int] = []
+    while len(out) < min(max_tokens, max_model_len - len(prompt)):
+        out.append(cycle[len(out) % len(cycle)])
+        if out[-1] == EOS and not ignore_eos and len(out) > min_tokens:
+            break
+    return out
+
+
+class Harness:
+    """Runs schedule → execute → update like the engine core, checking every batch."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None):
+        self.config = config
+        self.scheduler = Scheduler(config, num_blocks, EOS, max_model_len)
+        self.runner = EchoRunner(config, num_blocks, EOS, check_kv=True)
+        self.requests: dict[str, Request] = {}
+        self.outputs: dict[str, list[EngineCoreOutput]] = defaultdict(list)
+        self.first_scheduled: list[str] = []
+        self.num_steps = 0
+
+    def add(self, request_id: str, prompt: list[int], **params: Any) -> Request:
+        request = Request(request_id, list(prompt), SamplingParams(**params))
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self, abort_mid_step: Iterable[str] = ()) -> SchedulerOutput:
+        batch = self.scheduler.schedule()
+        self._check_batch(batch)
+        out = self.runner.execute(batch)
+        self.scheduler.abort_requests(abort_mid_step)
+        for output in self.scheduler.update_from_output(batch, out):
+            self.outputs[output.request_id].append(output)
+        self.num_steps += 1
+        return batch
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                return
+            self.step()
+        pytest.fail("requests did not finish")
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for o in self.outputs[request_id] for t in o.new_token_ids]
+
+    def finish(self, request_id: str) -> FinishReason | None:
+        outputs = self.outputs[request_id]
+        return outputs[-1].finish_reason if outputs else None
+
+    def assert_all_blocks_free(self) -> None:
+        pool = self.scheduler.kv_cache.block_pool
+        assert pool.num_free_blocks == pool.num_blocks
+        assert all(pool.ref_count(b) == 0 for b in range(pool.num_blocks))
+
+    def _check_batch(self, batch: SchedulerOutput) -> None:
+        ids = [item.request.request_id for item in batch.scheduled]
+        assert len(set(ids)) == len(ids)
+        assert all(item.num_tokens >= 1 for item in batch.scheduled)
+        assert batch.num_batched_tokens == sum(item.num_tokens for item in batch.scheduled)
+        assert batch.num_batched_tokens <= self.config.max_num_batched_tokens
+        assert len(batch.scheduled) <= self.config.max_num_seqs
+        self.first_scheduled.extend(i for i in ids if i not in self.first_scheduled)
+
+
+def config(**options: Any) -> EngineConfig:
+    defaults: dict[str, Any] = {"runner": "echo", "block_size": 4}
+    return EngineConfig(**{**defaults, **options})
+
+
+def test_every_request_gets_its_exact_echo() -> None:
+    harness = Harness(config(), 64)
+    prompts = {f"r{i}": list(range(10, 13 + i)) for i in range(8)}
+    for request_id, prompt in prompts.items():
+        harness.add(request_id, prompt, max_tokens=50)
+    harness.run()
+    for request_id, prompt in prompts.items():
+        assert harness.tokens(request_id) == expected_echo(prompt, 50)
+        assert harness.finish(request_id) is FinishReason.STOP
+    harness.assert_all_blocks_free()
+
+
+def test_budget_and_sequence_cap_hold_under_load() -> None:
+    harness = Harness(config(max_num_batched_tokens=24, max_num_seqs=5), 200)
+    for i in range(40):
+        harness.add(f"r{i}", list(range(10, 10 + 3 + i % 30)), max_tokens=8)
+    harness.run()  # every batch is checked against both limits
+    assert all(harness.finish(f"r{i}") is not None for i in range(40))
+
+
+def test_decodes_come_before_prefill_chunks() -> None:
+    harness = Harness(config(max_num_batched_tokens=32), 64)
+    harness.add("a", [10, 11, 12], max_tokens=20)
+    harness.step()
+    harness.add("b", list(range(10, 30)), max_tokens=20)
+    batch = harness.step()
+    assert [(i.request.request_id, i.num_tokens) for i in batch.scheduled] == [("a", 1), ("b", 20)]
+
+
+def test_chunked_prefill_splits_a_long_prompt_within_the_budget() -> None:
+    harness = Harness(config(max_num_batched_tokens=16, enable_prefix_caching=False), 64)
+    prompt = list(range(10, 60))
+    harness.add("long", prompt, max_tokens=3)
+    chunks = [harness.step().scheduled[0].num_tokens for _ in range(4)]
+    assert chunks == [16, 16, 16, 2]
+    # Only the step that completed the prompt sampled a token.
+    assert harness.tokens("long") == [10]
+    harness.run()
+    assert harness.tokens("long") == [10, 11, 12]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget() -> None:
+    cfg = config(max_num_batched_tokens=16, enable_chunked_prefill=False, max_model_len=16)
+    harness = Harness(cfg, 64)
+    harness.add("a", list(range(10, 20)), max_tokens=5)
+    harness.add("b", list(range(30, 40)), max_tokens=5)
+    # b (10 tokens) does not fit the 6 left by a, and is not split.
+    batch = harness.step()
+    assert [(i.request.request_id, i.num_tokens) for i in batch.scheduled] == [("a", 10)]
+    batch = harness.step()
+    assert [(i.request.request_id, i.num_tokens) for i in batch.scheduled] == [("a", 1), ("b", 10)]
+    harness.run()
+    assert harness.tokens("b") == expected_echo(list(range(30, 40)), 5)
+
+
+def test_without_chunked_prefill_max_model_len_must_fit_the_budget() -> None:
+    cfg = config(max_num_batched_tokens=16, enable_chunked_prefill=False, max_model_len=32)
+    with pytest.raises(RequestError):
+        Scheduler(cfg, 64, EOS)
+
+
+def test_max_model_len_must_fit_the_kv_cache() -> None:
+    with pytest.raises(RequestError):
+        Scheduler(config(max_model_len=100), 10, EOS)
+
+
+def test_priority_then_arrival_order_at_admission() -> None:
+    harness = Harness(config(max_num_seqs=1), 64)
+    for request_id, priority in [("a", 2), ("b", 0), ("c", 1), ("d", 0), ("e", 2)]:
+        harness.add(request_id, [10, 11], max_tokens=2, priority=priority)
+    harness.run()
+    assert harness.first_scheduled == ["b", "d", "c", "a", "e"]
+
+
+def test_no_starvation_under_a_steady_stream_of_arrivals() -> None:
+    harness = Harness(config(max_num_seqs=4, max_num_batched_tokens=32), 20)
+    arrivals: list[str] = []
+    for step in range(150):
+        for k in range(2):
+            request_id = f"r{step}-{k}"
+            harness.add(request_id, list(range(10, 18 + k)), max_tokens=6)
+            arrivals.append(request_id)
+        harness.step()
+    harness.run()
+    # Admission follows arrival order exactly, and everyone finished with the right output.
+    assert harness.first_scheduled == arrivals
+    for request_id in arrivals:
+        prompt = harness.requests[request_id].prompt_token_ids
+        assert harness.tokens(request_id) == expected_echo(prompt, 6)
+    harness.assert_all_blocks_free()
+
+
+def test_prefix_cache_hit_on_a_second_request_with_the_same_prefix() -> None:
+    harness = Harness(config(), 64)
+    prefix = list(range(100, 112))  # 3 full blocks
+    harness.add("first", [*prefix, 20, 21], max_tokens=2)
+    harness.run()
+    harness.add("second", [*prefix, 30], max_tokens=20)
+    batch = harness.step()
+    assert batch.scheduled[0].num_tokens == 1  # 12 of 13 tokens came from the cache
+    harness.run()
+    assert harness.outputs["second"][0].num_cached_tokens == 12
+    assert harness.outputs["first"][0].num_cached_tokens == 0
+    assert harness.tokens("second") == expected_echo([*prefix, 30], 20)
+    stats = harness.scheduler.prefix_cache_stats
+    assert (stats.num_queried_tokens, stats.num_hit_tokens) == (14 + 13, 12)
+
+
+def test_prefix_caching_disabled_never_hits() -> None:
+    harness = Harness(config(enable_prefix_caching=False), 64)
+    prompt = list(range(100, 112))
+    harness.add("first", prompt, max_tokens=2)
+    harness.run()
+    harness.add("second", list(prompt), max_tokens=2)
+    harness.run()
+    assert harness.outputs["second"][0].num_cached_tokens == 0
+    assert harness.scheduler.prefix_cache_stats.num_hit_tokens == 0
+
+
+def test_preemption_in_a_tiny_pool_still_gives_every_exact_output() -> None:
+    # 12 blocks of 4 = 48 tokens for 12 requests that each grow to ~40 tokens.
+    harness = Harness(config(max_num_batched_tokens=64, max_model_len=48), 12)
+    prompts = {f"r{i}": [10 + i, *range(20, 36 + i)] for i in range(12)}
+    for request_id, prompt in prompts.items():
+        harness.add(request_id, prompt, max_tokens=40)
+    harness.run()
+    assert harness.scheduler.num_preemptions > 0
+    assert any(r.num_preemptions > 0 for r in harness.requests.values())
+    for request_id, prompt in prompts.items():
+        assert harness.tokens(request_id) == expected_echo(prompt, 40, max_model_len=48)
+    harness.assert_all_blocks_free()
+
+
+def test_preempted_request_keeps_its_output_and_recomputes_it() -> None:
+    harness = Harness(config(max_num_batched_tokens=64, max_model_len=24), 6)
+    harness.add("old", list(range(10, 20)), max_tokens=12)
+    harness.add("new", list(range(30, 40)), max_tokens=12)
+    while harness.requests["new"].status is not RequestStatus.PREEMPTED:
+        batch = harness.step()
+    assert "new" in batch.removed_ids  # the runner is told to forget it
+    assert harness.requests["new"].num_output_tokens > 0
+    harness.run()
+    assert harness.tokens("new") == expected_echo(list(range(30, 40)), 12)
+
+
+def test_eos_finishes_with_stop() -> None:
+    harness = Harness(config(), 16)
+    harness.add("a", [10, 11, 12], max_tokens=10)
+    harness.run()
+    assert harness.tokens("a") == [10, 11, 12, EOS]
+    last = harness.outputs["a"][-1]
+    assert (last.finish_reason, last.stop_reason) == (FinishReason.STOP, None)
+
+
+def test_stop_token_id_finishes_with_its_id_as_stop_reason() -> None:
+    harness = Harness(config(), 16)
+    harness.add("a", [10, 11, 12, 13], max_tokens=10, stop_token_ids=[12])
+    harness.run()
+    assert harness.tokens("a") == [10, 11, 12]
+    last = harness.outputs["a"][-1]
+    assert (last.finish_reason, last.stop_reason) == (FinishReason.STOP, 12)
+
+
+def test_max_tokens_finishes_with_length() -> None:
+    harness = Harness(config(), 16)
+    harness.add("a", [10, 11, 12, 13], max_tokens=2)
+    harness.run()
+    assert harness.tokens("a") == [10, 11]
+    assert harness.finish("a") is FinishReason.LENGTH
+
+
+def test_max_model_len_finishes_with_length() -> None:
+    harness = Harness(config(max_model_len=6), 16)
+    harness.add("a", [10, 11, 12, 13], max_tokens=None)
+    harness.run()
+    assert harness.tokens("a") == [10, 11]
+    assert harness.finish("a") is FinishReason.LENGTH
+
+
+def test_max_model_len_can_be_passed_in_when_not_configured() -> None:
+    harness = Harness(config(), 16, max_model_len=7)
+    harness.add("a", [10, 11, 12, 13], max_tokens=None, ignore_eos=True)
+    harness.run()
+    assert harness.tokens("a") == [10, 11, 12]
+
+
+def test_min_tokens_suppresses_eos_until_reached() -> None:
+    harness = Harness(config(), 16)
+    harness.add("a", [10, 11], max_tokens=20, min_tokens=5)
+    harness.run()
+    assert harness.tokens("a") == [10, 11, EOS, 10, 11, EOS]
+    assert harness.finish("a") is FinishReason.STOP
+
+
+def test_min_tokens_suppresses_stop_tokens_until_reached() -> None:
+    harness = Harness(config(), 16)
+    harness.add("a", [10, 11], max_tokens=20, min_tokens=2, stop_token_ids=[11], ignore_eos=True)
+    harness.run()
+    assert harness.tokens("a") == [10, 11, EOS, 10, 11]
+    assert harness.outputs["a"][-1].stop_reason == 11
+
+
+def test_ignore_eos_runs_to_max_tokens() -> None:
+    harness = Harness(config(), 16)
+    harness.add("a", [10, 11], max_tokens=7, ignore_eos=True)
+    harness.run()
+    assert harness.tokens("a") == [10, 11, EOS, 10, 11, EOS, 10]
+    assert harness.finish("a") is FinishReason.LENGTH
+
+
+def test_eos_at_max_tokens_reports_stop() -> None:
+    harness = Harness(config(), 16)
+    harness.add("a", [10, 11], max_tokens=3)
+    harness.run()
+    assert harness.tokens("a") == [10, 11, EOS]
+    assert harness.finish("a") is FinishReason.STOP
+
+
+def test_logprobs_pass_through_to_outputs() -> None:
+    harness = Harness(config(), 16)
+    harness.add("a", [10, 11], max_tokens=2, logprobs=2)
+    harness.add("b", [10, 11], max_tokens=2)
+    harness.run()
+    first = harness.outputs["a"][0].new_logprobs
+    assert first is not None and first[0].token_ids[0] == 10
+    assert all(o.new_logprobs is None for o in harness.outputs["b"])
+
+
+def test_abort_in_every_state_frees_blocks_and_is_idempotent() -> None:
+    harness = Harness(config(max_num_batched_tokens=16, max_num_seqs=2), 64)
+    harness.add("decoding", [10, 11], max_tokens=30, ignore_eos=True)
+    harness.add("prefilling", list(range(10, 50)), max_tokens=30)
+    harness.add("waiting", [10, 11], max_tokens=30)
+    harness.step()
+    harness.step()
+    assert harness.requests["prefilling"].num_uncomputed_tokens > 1
+    aborted = harness.scheduler.abort_requests(["decoding", "prefilling", "waiting", "nope"])
+    assert aborted == ["decoding", "prefilling", "waiting"]
+    assert harness.scheduler.abort_requests(["decoding"]) == []
+    assert all(r.status is RequestStatus.FINISHED_ABORTED for r in harness.requests.values())
+    assert not harness.scheduler.has_unfinished_requests()
+    assert set(harness.scheduler.schedule().removed_ids) >= {"decoding", "prefilling"}
+    harness.assert_all_blocks_free()
+
+
+def test_abort_between_execute_and_update_drops_that_steps_token() -> None:
+    harness = Harness(config(), 16)
+    harness.add("a", [10, 11, 12], max_tokens=10)
+    harness.add("b", [10, 11, 12], max_tokens=10)
+    harness.step()
+    harness.step(abort_mid_step=["a"])
+    assert harness.tokens("a") == [10]
+    assert harness.tokens("b") == [10, 11]
+    harness.run()
+    harness.assert_all_blocks_free()
+
+
+def test_finished_request_output_and_removal() -> None:
+    harness = Harness(config(), 16)
+    harness.add("a", [10], max_tokens=1)
+    harness.step()
+    assert harness.finish("a") is FinishReason.LENGTH
+    assert harness.scheduler.schedule().removed_ids == ["a"]
+
+
+def _check_ref_counts(harness: Harness) -> None:
+    """Every block's ref count equals the number of unfinished requests holding it."""
+    holders: Counter[int] = Counter()
+    for request in harness.requests.values():
+        if not request.is_finished:
+            holders.update(request.block_ids)
+    pool = harness.scheduler.kv_cache.block_pool
+    assert all(pool.ref_count(b) == holders[b] for b in range(pool.num_blocks))
+    assert pool.num_used_blocks == len(holders)
+
+
+def test_block_accounting_survives_a_random_mix_of_operations() -> None:
+    rng = random.Random(20240521)
+    cfg = config(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=64)
+    harness = Harness(cfg, 24)
+    prefixes = [[rng.randrange(10, 60) for _ in range(12)] for _ in range(4)]
+    aborted_in: Counter[str] = Counter()
+    live: list[str] = []
+    for op in range(4000):
+        action = rng.random()
+        if action < 0.25:
+            request_id = f"r{op}"
+            prompt = rng.choice(prefixes)[: rng.randrange(1, 13)]
+            prompt += [rng.randrange(10, 60) for _ in range(rng.randrange(0, 28))]
+            harness.add(
+                request_id, prompt, max_tokens=rng.randrange(1, 30), ignore_eos=rng.random() < 0.3
+            )
+            live.append(request_id)
+        elif action < 0.32 and live:
+            victim = harness.requests[rng.choice(live)]
+            aborted_in[_state_name(victim)] += 1
+            harness.scheduler.abort_requests([victim.request_id])
+        elif action < 0.36 and live:
+            harness.step(abort_mid_step=[rng.choice(live)])
+        else:
+            harness.step()
+        live = [i for i in live if not harness.requests[i].is_finished]
+        _check_ref_counts(harness)
+    harness.run()
+    harness.assert_all_blocks_free()
+    assert harness.scheduler.num_preemptions > 0
+    assert {"waiting", "prefilling", "decoding", "preempted"} <= set(aborted_in)
+    for request_id, request in harness.requests.items():
+        params = request.params
+        assert params.max_tokens is not None
+        expected = expected_echo(
+            request.prompt_token_ids,
+            params.max_tokens,
+            ignore_eos=params.ignore_eos,
+            max_model_len=64,
+        )
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            assert expected[: len(harness.tokens(request_id))] == harness.tokens(request_id)
+        else:
+            assert harness.tokens(request_id) == expected
+
+
+def _state_name(request: Request) -> str:
+    if request.status is RequestStatus.RUNNING:
+        return "decoding" if request.num_uncomputed_tokens == 1 else "prefilling"
+    return request.status.value

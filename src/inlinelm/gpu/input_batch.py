@@ -1,0 +1,117 @@
+"""The persistent input batch: one row per live request, kept across steps.
+
+Rows are added when a request is first scheduled and removed when the scheduler says it
+finished, was aborted or was preempted; everything else is kept, so a decode step only
+appends one token and maybe one block id per row. Step inputs are built from these arrays
+with vectorised numpy, never a Python loop per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from inlinelm.sched.request import Request
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Flat inputs of one forward pass, as numpy arrays (the runner moves them to the device)."""
+
+    input_ids: IntArray
+    positions: IntArray
+    slot_mapping: IntArray
+    query_start_loc: IntArray
+    seq_lens: IntArray
+    block_tables: IntArray
+    logits_indices: IntArray
+    sampling_rows: IntArray  # batch rows (rows of the persistent arrays) that sample
+    sampling_positions: IntArray  # index into the scheduled list of each sampling request
+    max_query_len: int
+    max_seq_len: int
+
+
+class InputBatch:
+    """Token ids and block tables of every live request, in preallocated arrays."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        max_blocks = -(-max_model_len // block_size)
+        self.block_size = block_size
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.requests: list[Request | None] = [None] * max_num_reqs
+        self.generators: list[torch.Generator | None] = [None] * max_num_reqs
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def add(self, request: Request, generator: torch.Generator | None) -> int:
+        """Give ``request`` a row holding all its known tokens; return the row."""
+        row = self._free_rows.pop()
+        tokens = request.all_token_ids
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_blocks[row] = 0
+        self.requests[row] = request
+        self.generators[row] = generator
+        self.row_of[request.request_id] = row
+        return row
+
+    def remove(self, request_id: str) -> None:
+        """Forget a request (idempotent)."""
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self.requests[row] = None
+            self.generators[row] = None
+            self._free_rows.append(row)
+
+    def sync_blocks(self, row: int, block_ids: list[int]) -> None:
+        """Append the block ids the request gained since the last step."""
+        have = int(self.num_blocks[row])
+        if len(block_ids) > have:
+            self.block_table[row, have : len(block_ids)] = block_ids[have:]
+            self.num_blocks[row] = len(block_ids)
+
+    def append_tokens(self, rows: IntArray, token_ids: IntArray) -> None:
+        """Append one sampled token to each of ``rows``."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    def prepare(
+        self, rows: IntArray, num_scheduled: IntArray, num_computed: IntArray
+    ) -> StepInputs:
+        """Build the flat step inputs for ``rows`` computing ``num_scheduled`` tokens each."""
+        total = int(num_scheduled.sum())
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        row_of_token = np.repeat(rows, num_scheduled)
+        offsets = np.arange(total, dtype=np.int64) - np.repeat(query_start_loc[:-1], num_scheduled)
+        positions = np.repeat(num_computed, num_scheduled) + offsets
+        block_ids = self.block_table[row_of_token, positions // self.block_size]
+        seq_lens = num_computed + num_scheduled
+        max_seq_len = int(seq_lens.max())
+        max_blocks = -(-max_seq_len // self.block_size)
+        samples = seq_lens >= self.num_tokens[rows]
+        sampling_positions = np.flatnonzero(samples)
+        return StepInputs(
+            input_ids=self.token_ids[row_of_token, positions],
+            positions=positions,
+            slot_mapping=block_ids * self.block_size + positions % self.block_size,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=self.block_table[rows, :max_blocks],
+            logits_indices=query_start_loc[1:][samples] - 1,
+            sampling_rows=rows[samples],
+            sampling_positions=sampling_positions,
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=max_seq_len,
+        )

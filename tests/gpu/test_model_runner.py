@@ -1,0 +1,124 @@
+"""The model runner driven by the real scheduler: greedy output equals transformers under
+chunked prefill, prefix-cache hits and forced preemption."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from inlinelm.config import EngineConfig
+from inlinelm.gpu.model_runner import ModelRunner
+from inlinelm.sampling_params import SamplingParams
+from inlinelm.sched.request import Request
+from inlinelm.sched.scheduler import Scheduler
+from tests.gpu.test_llama import PROMPTS, _reference, _reference_greedy
+
+MAX_NEW = 24
+
+
+def run_to_completion(
+    runner: ModelRunner, scheduler: Scheduler, requests: list[Request]
+) -> dict[str, list[int]]:
+    for request in requests:
+        scheduler.add_request(request)
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        batch = scheduler.schedule()
+        scheduler.update_from_output(batch, runner.execute(batch))
+        steps += 1
+        assert steps < 10_000
+    return {r.request_id: list(r.output_token_ids) for r in requests}
+
+
+def _requests(tokenizer: Any, tag: str) -> list[Request]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    return [Request(f"{tag}-{i}", tokenizer(p).input_ids, params, 2) for i, p in enumerate(PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: Path, tokenizer: Any) -> dict[int, list[int]]:
+    ref = _reference(tiny_model_dir)
+    return {
+        i: _reference_greedy(ref, tokenizer(p).input_ids, MAX_NEW) for i, p in enumerate(PROMPTS)
+    }
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_num_batched_tokens": 2048},
+        {"max_num_batched_tokens": 7},
+        {"max_num_batched_tokens": 13, "max_num_seqs": 3},
+        {"num_kv_blocks": 9, "max_num_batched_tokens": 32},
+    ],
+    ids=["one-shot", "chunks-of-7", "chunks-and-seq-cap", "preemption"],
+)
+def test_greedy_equals_transformers(
+    options: dict[str, Any], tiny_model_dir: Path, tokenizer: Any, expected: dict[int, list[int]]
+) -> None:
+    config = EngineConfig(model=str(tiny_model_dir), **{"num_kv_blocks": 256, **options})
+    runner = ModelRunner(config, tiny_model_dir)
+    scheduler = Scheduler(config, runner.num_kv_blocks, 2)
+    got = run_to_completion(runner, scheduler, _requests(tokenizer, "a"))
+    assert [got[f"a-{i}"] for i in range(len(PROMPTS))] == [
+        expected[i] for i in range(len(PROMPTS))
+    ]
+    # A second round hits the prefix cache for every full prompt block.
+    again = run_to_completion(runner, scheduler, _requests(tokenizer, "b"))
+    assert [again[f"b-{i}"] for i in range(len(PROMPTS))] == [
+        expected[i] for i in range(len(PROMPTS))
+    ]
+    assert scheduler.num_free_blocks == runner.num_kv_blocks
+
+
+def test_prefix_cache_is_hit(tiny_model_dir: Path, tokenizer: Any) -> None:
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)
+    runner = ModelRunner(config, tiny_model_dir)
+    scheduler = Scheduler(config, runner.num_kv_blocks, 2)
+    long_prompt = tokenizer("word " * 40).input_ids
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = run_to_completion(runner, scheduler, [Request("x", long_prompt, params, 2)])
+    second_req = Request("y", long_prompt, params, 2)
+    second = run_to_completion(runner, scheduler, [second_req])
+    assert first["x"] == second["y"]
+    assert second_req.num_cached_tokens >= 32
+
+
+def test_default_model_batched_greedy(default_model_dir: Path, tokenizer: Any) -> None:
+    config = EngineConfig(max_num_batched_tokens=7, num_kv_blocks=128)
+    runner = ModelRunner(config, default_model_dir)
+    scheduler = Scheduler(config, runner.num_kv_blocks, 2)
+    ref = _reference(default_model_dir)
+    got = run_to_completion(runner, scheduler, _requests(tokenizer, "d"))
+    for i, p in enumerate(PROMPTS):
+        assert got[f"d-{i}"] == _reference_greedy(ref, tokenizer(p).input_ids, MAX_NEW)
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(tiny_model_dir: Path, tokenizer: Any) -> None:
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    other = SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True)
+    prompt = tokenizer(PROMPTS[2]).input_ids
+    alone = run_to_completion(
+        ModelRunner(config, tiny_model_dir),
+        Scheduler(config, 128, 2),
+        [Request("s", prompt, seeded, 2)],
+    )
+    runner = ModelRunner(config, tiny_model_dir)
+    crowd = [Request(f"o{i}", tokenizer(p).input_ids, other, 2) for i, p in enumerate(PROMPTS)]
+    mixed = run_to_completion(
+        runner, Scheduler(config, 128, 2), [*crowd[:2], Request("s", prompt, seeded, 2), *crowd[2:]]
+    )
+    assert alone["s"] == mixed["s"]
+
+
+def test_min_tokens_bans_eos(tiny_model_dir: Path, tokenizer: Any) -> None:
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)
+    runner = ModelRunner(config, tiny_model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10, logit_bias={2: 100.0})
+    got = run_to_completion(
+        runner, Scheduler(config, 64, 2), [Request("m", tokenizer("hi").input_ids, params, 2)]
+    )
+    assert len(got["m"]) == 10 and 2 not in got["m"]

@@ -159,19 +159,21 @@ class EngineCore:
     # -- engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
-        error: Exception | None = None
+        error: BaseException | None = None
         try:
             self._loop()
-        except Exception as exc:
+        except BaseException as exc:  # anything: the frontend must hear that we died
             error = exc
         error = self._release(error)
         if error is not None:
             self._sink(EngineCoreOutputs(outputs=[], step_index=self._step_index, error=error))
 
     def _loop(self) -> None:
-        while not self._shutdown:
+        while True:
             busy = self.scheduler.has_unfinished_requests()
             self._drain_inputs(block=not busy and not self._pending)
+            if self._shutdown:
+                return  # a shutdown seen mid-step lets that step finish first
             if self.scheduler.has_unfinished_requests():
                 self._step()
             elif self._pending:
@@ -238,7 +240,7 @@ class EngineCore:
         pending, self._pending = self._pending, []
         return pending
 
-    def _release(self, error: Exception | None) -> Exception | None:
+    def _release(self, error: BaseException | None) -> BaseException | None:
         """Free every request's blocks, then close the runner; returns the first error."""
         for release in (self._finish_all, self.runner.close):
             try:

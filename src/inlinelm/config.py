@@ -60,16 +60,30 @@ class EngineConfig:
         return replace(self, **options)
 
     def _validate(self) -> None:
-        positives = ("max_num_seqs", "max_num_batched_tokens", "block_size", "stream_interval", "max_n")
+        positives = (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "stream_interval",
+            "max_n",
+        )
         for name in positives:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise RequestError(f"engine option {name} must be a positive int, got {value!r}", param=name)
+                raise RequestError(
+                    f"engine option {name} must be a positive int, got {value!r}", param=name
+                )
         if self.runner not in ("model", "echo"):
-            raise RequestError(f"runner must be 'model' or 'echo', got {self.runner!r}", param="runner")
+            raise RequestError(
+                f"runner must be 'model' or 'echo', got {self.runner!r}", param="runner"
+            )
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise RequestError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}", param="dtype")
+            raise RequestError(
+                f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}", param="dtype"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise RequestError("gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization")
+            raise RequestError(
+                "gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization"
+            )
         if self.echo_step_s < 0:
             raise RequestError("echo_step_s must be >= 0", param="echo_step_s")

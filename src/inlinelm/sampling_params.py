@@ -78,34 +78,67 @@ class SamplingParams:
             "max_tokens",
             "must be a positive int or None",
         )
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0"
+        )
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens",
             "must not exceed max_tokens",
         )
-        _check(_finite(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
-        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        _check(isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k", "must be -1, 0 (off) or positive")
-        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        _check(_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
-        _check(_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        _check(_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an int or None")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids")
         _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
+            _finite(self.temperature) and 0.0 <= self.temperature <= 100.0,
+            "temperature",
+            "must be in [0, 100]",
+        )
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(
+            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+            "top_k",
+            "must be -1, 0 (off) or positive",
+        )
+        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(
+            _finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            "must be in [-2, 2]",
+        )
+        _check(
+            _finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+        )
+        _check(
+            _finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            "repetition_penalty",
+            "must be in (0, 10]",
+        )
+        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an int or None")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be token ids",
+        )
+        _check(
+            self.logprobs is None
+            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
             "logprobs",
             f"must be in [0, {_MAX_LOGPROBS}] or None",
         )
         _check(
-            all(isinstance(k, int) and k >= 0 and _finite(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()),
+            all(
+                isinstance(k, int) and k >= 0 and _finite(v) and -100 <= v <= 100
+                for k, v in self.logit_bias.items()
+            ),
             "logit_bias",
             "must map token ids to values in [-100, 100]",
         )
         _check(
-            self.stream_interval is None or (isinstance(self.stream_interval, int) and self.stream_interval >= 1),
+            self.stream_interval is None
+            or (isinstance(self.stream_interval, int) and self.stream_interval >= 1),
             "stream_interval",
             "must be a positive int or None",
         )

@@ -26,7 +26,14 @@ PROMPTS = [
 def _load(folder: Path) -> LlamaForCausalLM:
     cfg = ModelConfig.from_folder(folder)
     backend = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    return load_model(folder, cfg, dtype=torch.float32, device=torch.device("cpu"), backend=backend, max_positions=2048)
+    return load_model(
+        folder,
+        cfg,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        backend=backend,
+        max_positions=2048,
+    )
 
 
 def _reference(folder: Path) -> Any:
@@ -41,10 +48,15 @@ class PagedGreedyDriver:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int = 256) -> None:
         cfg = model.config
         self.model = model
-        self.caches = [torch.zeros(2, num_blocks * BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+        self.caches = [
+            torch.zeros(2, num_blocks * BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+            for _ in range(cfg.num_layers)
+        ]
         self.next_block = num_blocks - 1  # hand out blocks from the top, out of order on purpose
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, chunk: int) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, chunk: int
+    ) -> list[list[int]]:
         tokens = [list(p) for p in prompts]
         computed = [0] * len(prompts)
         tables: list[list[int]] = [[] for _ in prompts]
@@ -68,7 +80,12 @@ class PagedGreedyDriver:
             self.next_block -= 1
 
     def _step(
-        self, live: list[int], counts: list[int], tokens: list[list[int]], computed: list[int], tables: list[list[int]]
+        self,
+        live: list[int],
+        counts: list[int],
+        tokens: list[list[int]],
+        computed: list[int],
+        tables: list[list[int]],
     ) -> dict[int, int]:
         ids, pos, slots, starts, seq_lens = [], [], [], [0], []
         for i, n in zip(live, counts, strict=True):
@@ -92,7 +109,11 @@ class PagedGreedyDriver:
         self.model.layers[0].self_attn.backend.prepare(meta, BLOCK_SIZE)
         with torch.inference_mode():
             logits = self.model(
-                torch.tensor(ids), torch.tensor(pos), self.caches, meta, torch.tensor([starts[k + 1] - 1 for k in samples])
+                torch.tensor(ids),
+                torch.tensor(pos),
+                self.caches,
+                meta,
+                torch.tensor([starts[k + 1] - 1 for k in samples]),
             )
         return {live[k]: int(t) for k, t in zip(samples, logits.argmax(-1).tolist(), strict=True)}
 

@@ -35,9 +35,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_variants_match_transformers(variant: str, tmp_path: Path, default_model_dir: Path, tokenizer: Any) -> None:
+def test_variants_match_transformers(
+    variant: str, tmp_path: Path, default_model_dir: Path, tokenizer: Any
+) -> None:
     folder = make_tiny_model(tmp_path, default_model_dir, **VARIANTS[variant])
-    ids = tokenizer("A longer prompt so that positions pass the original context of sixty-four tokens. " * 3).input_ids
+    ids = tokenizer(
+        "A longer prompt so that positions pass the original context of sixty-four tokens. " * 3
+    ).input_ids
     with torch.inference_mode():
         expected = _reference(folder)(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(_prefill_logits(_load(folder), ids), expected, rtol=1e-4, atol=1e-4)
@@ -87,7 +91,9 @@ def test_unknown_architecture(tiny_copy: Path) -> None:
 
 
 def test_unsupported_rope_scaling(tiny_copy: Path) -> None:
-    _edit_config(tiny_copy, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+    _edit_config(
+        tiny_copy, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    )
     with pytest.raises(ModelLoadError, match="unsupported RoPE scaling type 'yarn'"):
         _load(tiny_copy)
 
@@ -134,7 +140,9 @@ def test_missing_tensor_is_named(tiny_copy: Path) -> None:
     tensors = load_file(str(path))
     del tensors["model.layers.0.mlp.up_proj.weight"]
     save_file(tensors, str(path))
-    with pytest.raises(ModelLoadError, match=r"missing, first: layers.0.mlp.gate_up_proj.weight\[up\]"):
+    with pytest.raises(
+        ModelLoadError, match=r"missing, first: layers.0.mlp.gate_up_proj.weight\[up\]"
+    ):
         _load(tiny_copy)
 
 

@@ -102,19 +102,27 @@ class TorchAttention:
         num_seqs = meta.seq_lens.shape[0]
         padded = q.new_zeros(num_seqs * meta.max_query_len, self.num_heads, self.head_dim)
         padded[meta.query_index] = q
-        queries = padded.view(num_seqs, meta.max_query_len, self.num_heads, self.head_dim).transpose(1, 2)
+        queries = padded.view(
+            num_seqs, meta.max_query_len, self.num_heads, self.head_dim
+        ).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=meta.attn_mask, scale=self.scale, enable_gqa=True
         )
-        out = out.transpose(1, 2).reshape(num_seqs * meta.max_query_len, self.num_heads, self.head_dim)
+        out = out.transpose(1, 2).reshape(
+            num_seqs * meta.max_query_len, self.num_heads, self.head_dim
+        )
         return out[meta.query_index]
 
 
-def _query_layout(meta: AttentionMetadata, query_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _query_layout(
+    meta: AttentionMetadata, query_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Index of each flat token in the padded [B * max_q] layout, and the padded positions."""
     device = query_lens.device
     num_tokens = int(meta.query_start_loc[-1])
-    seq_of_token = torch.repeat_interleave(torch.arange(query_lens.shape[0], device=device), query_lens, output_size=num_tokens)
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(query_lens.shape[0], device=device), query_lens, output_size=num_tokens
+    )
     offset = torch.arange(num_tokens, device=device) - meta.query_start_loc[seq_of_token]
     index = seq_of_token * meta.max_query_len + offset
     return index, torch.arange(meta.max_query_len, device=device)

@@ -48,7 +48,9 @@ def convert_gguf(path: Path, out: Path) -> None:
         raise ModelLoadError(f"not a readable GGUF file ({e})", path=str(path)) from e
     arch = _field_str(reader, "general.architecture")
     if arch not in _SUPPORTED_ARCHS:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}", path=str(path), field="general.architecture")
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {arch!r}", path=str(path), field="general.architecture"
+        )
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     config.save_pretrained(str(out))
     tensors = _dequantize_all(reader, path, config, permuted=_SUPPORTED_ARCHS[arch])
@@ -64,7 +66,9 @@ def _field_str(reader: object, key: str) -> str:
     return bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
-def _dequantize_all(reader: object, path: Path, config: object, *, permuted: bool) -> dict[str, torch.Tensor]:
+def _dequantize_all(
+    reader: object, path: Path, config: object, *, permuted: bool
+) -> dict[str, torch.Tensor]:
     import gguf
 
     num_heads = int(config.num_attention_heads)  # type: ignore[attr-defined]
@@ -83,7 +87,13 @@ def _dequantize_all(reader: object, path: Path, config: object, *, permuted: boo
         tensors[name] = torch.from_numpy(array.copy())
         done += int(t.n_bytes)
         if i % 40 == 0 or i == len(items) - 1:
-            logger.info("dequantized %d/%d tensors (%.1f/%.1f MiB)", i + 1, len(items), done / 2**20, total / 2**20)
+            logger.info(
+                "dequantized %d/%d tensors (%.1f/%.1f MiB)",
+                i + 1,
+                len(items),
+                done / 2**20,
+                total / 2**20,
+            )
     return tensors
 
 

@@ -136,4 +136,3 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     if raw.get("model_type") == "qwen2" and not raw.get("use_sliding_window", False):
         return None
     return int(window) if isinstance(window, int) and window > 0 else None
-

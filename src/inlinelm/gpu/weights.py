@@ -30,7 +30,13 @@ class _Target:
 
 
 def load_model(
-    folder: Path, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device, backend: AttentionBackend, max_positions: int
+    folder: Path,
+    cfg: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    max_positions: int,
 ) -> LlamaForCausalLM:
     """Build the model and fill every parameter from ``folder/*.safetensors``.
 
@@ -51,7 +57,9 @@ def load_model(
     return model.eval()
 
 
-def _load_files(folder: Path, cfg: ModelConfig, params: dict[str, torch.nn.Parameter]) -> set[_Target]:
+def _load_files(
+    folder: Path, cfg: ModelConfig, params: dict[str, torch.nn.Parameter]
+) -> set[_Target]:
     from safetensors import SafetensorError, safe_open
 
     loaded: set[_Target] = set()
@@ -65,8 +73,16 @@ def _load_files(folder: Path, cfg: ModelConfig, params: dict[str, torch.nn.Param
                         _copy(f.get_tensor(name), target, params, cfg, path, name)
                         loaded.add(target)
         except SafetensorError as e:
-            raise ModelLoadError(f"unreadable or truncated safetensors file ({e})", path=str(path)) from e
-        logger.info("loaded weight file %d/%d: %s (%.1f MiB)", i + 1, len(files), path.name, path.stat().st_size / 2**20)
+            raise ModelLoadError(
+                f"unreadable or truncated safetensors file ({e})", path=str(path)
+            ) from e
+        logger.info(
+            "loaded weight file %d/%d: %s (%.1f MiB)",
+            i + 1,
+            len(files),
+            path.name,
+            path.stat().st_size / 2**20,
+        )
     return loaded
 
 
@@ -99,16 +115,33 @@ def _target(name: str, cfg: ModelConfig) -> _Target | None:
 
 
 def _rows(target: _Target, cfg: ModelConfig) -> tuple[int, int] | None:
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    ranges = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
+    q, kv, inter = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
+    ranges = {
+        "q": (0, q),
+        "k": (q, q + kv),
+        "v": (q + kv, q + 2 * kv),
+        "gate": (0, inter),
+        "up": (inter, 2 * inter),
+    }
     return ranges.get(target.shard)
 
 
 def _copy(
-    tensor: torch.Tensor, target: _Target, params: dict[str, torch.nn.Parameter], cfg: ModelConfig, path: Path, name: str
+    tensor: torch.Tensor,
+    target: _Target,
+    params: dict[str, torch.nn.Parameter],
+    cfg: ModelConfig,
+    path: Path,
+    name: str,
 ) -> None:
     if target.param not in params:
-        raise ModelLoadError("tensor does not belong to this architecture", path=str(path), field=name)
+        raise ModelLoadError(
+            "tensor does not belong to this architecture", path=str(path), field=name
+        )
     if tensor.dtype not in _FLOAT_DTYPES:
         raise ModelLoadError(f"unsupported weight dtype {tensor.dtype}", path=str(path), field=name)
     dest = params[target.param].data
@@ -124,13 +157,19 @@ def _copy(
     dest.copy_(tensor)
 
 
-def _check_complete(folder: Path, cfg: ModelConfig, params: dict[str, torch.nn.Parameter], loaded: set[_Target]) -> None:
+def _check_complete(
+    folder: Path, cfg: ModelConfig, params: dict[str, torch.nn.Parameter], loaded: set[_Target]
+) -> None:
     expected = {_Target(name, shard) for name in params for shard in _shards(name, cfg)}
     if cfg.tie_word_embeddings:
         expected.discard(_Target("lm_head.weight", "all"))
     missing = sorted(f"{t.param}[{t.shard}]" for t in expected - loaded)
     if missing:
-        raise ModelLoadError(f"{len(missing)} weight tensors missing, first: {missing[0]}", path=str(folder), field=missing[0])
+        raise ModelLoadError(
+            f"{len(missing)} weight tensors missing, first: {missing[0]}",
+            path=str(folder),
+            field=missing[0],
+        )
 
 
 def _shards(name: str, cfg: ModelConfig) -> tuple[str, ...]:

@@ -89,7 +89,7 @@ class EngineCore:
     def start(self) -> None:
         """Start the engine thread (once)."""
         assert self._thread is None, "EngineCore.start() called twice"
-        self._thread = threading.Thread(target=self._run, name="inlinelm-engine", daemon=False)
+        self._thread = threading.Thread(target=self._run, name="inlinelm-engine", daemon=True)
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> bool:

@@ -1,0 +1,107 @@
+"""The per-request collector: one slot between the output handler and the caller.
+
+It never blocks and never queues: a second output that arrives before the caller took the
+first merges into it (delta mode concatenates; other modes replace), per choice index. An
+exception replaces whatever waits. Every merge is counted, so a backlog is observable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from inlinelm.runtime.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+BACKLOG_WARNING_MERGES = 20
+
+
+class RequestOutputCollector:
+    """One slot holding the next ``RequestOutput`` (or an exception) for one request."""
+
+    __slots__ = (
+        "_delta",
+        "_output",
+        "_ready",
+        "backlog_chars",
+        "max_backlog_chars",
+        "num_merges",
+        "pending_merges",
+    )
+
+    def __init__(self, *, delta: bool, max_backlog_chars: int) -> None:
+        self._delta = delta
+        self._output: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+        self.num_merges = 0
+        self.pending_merges = 0
+        self.backlog_chars = 0
+        self.max_backlog_chars = max_backlog_chars
+
+    def put(self, output: RequestOutput | BaseException) -> bool:
+        """Hand over ``output`` without blocking; return False if the backlog overflowed."""
+        current = self._output
+        if current is None or isinstance(output, BaseException):
+            self._output = output
+            self._ready.set()
+            return True
+        if isinstance(current, BaseException):
+            return True  # NOTE: an error already waits; it wins over later outputs.
+        self._merge(current, output)
+        return self.backlog_chars <= self.max_backlog_chars
+
+    def get_nowait(self) -> RequestOutput | None:
+        """Take the waiting output, or None; raises the waiting exception."""
+        output = self._output
+        if output is None:
+            return None
+        self._output = None
+        self._ready.clear()
+        self.pending_merges = 0
+        self.backlog_chars = 0
+        if isinstance(output, BaseException):
+            raise output
+        return output
+
+    async def get(self) -> RequestOutput:
+        """Wait for the next output; raises the exception put in its place."""
+        while self._output is None:
+            await self._ready.wait()
+        output = self.get_nowait()
+        assert output is not None
+        return output
+
+    def _merge(self, current: RequestOutput, new: RequestOutput) -> None:
+        for choice in new.outputs:
+            _merge_choice(current.outputs, choice, delta=self._delta)
+        current.finished = new.finished
+        current.num_cached_tokens = new.num_cached_tokens
+        self.num_merges += 1
+        self.pending_merges += 1
+        new.metrics.num_merged_outputs += 1
+        if self._delta:
+            self.backlog_chars = sum(len(c.text) for c in current.outputs)
+        if self.pending_merges == BACKLOG_WARNING_MERGES:
+            logger.warning(
+                "request %s: %d outputs merged while its reader lagged",
+                current.request_id,
+                BACKLOG_WARNING_MERGES,
+            )
+
+
+def _merge_choice(choices: list[CompletionOutput], new: CompletionOutput, *, delta: bool) -> None:
+    for i, old in enumerate(choices):
+        if old.index != new.index:
+            continue
+        if not delta:
+            choices[i] = new
+            return
+        old.text += new.text
+        old.token_ids.extend(new.token_ids)
+        if new.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + new.logprobs
+        old.finish_reason = new.finish_reason
+        old.stop_reason = new.stop_reason
+        return
+    choices.append(new)

@@ -1,0 +1,503 @@
+"""The public async ``Engine``: starts the engine thread, admits requests, hands out streams."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import gc
+import logging
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from inlinelm.config import EngineConfig
+from inlinelm.errors import (
+    EngineClosedError,
+    EngineDeadError,
+    QueueFullError,
+    QueueTimeoutError,
+    RequestError,
+)
+from inlinelm.runtime.bridge import LoopBridge, OutputDispatcher
+from inlinelm.runtime.collector import RequestOutputCollector
+from inlinelm.runtime.loader import LoadedEngine, load_engine
+from inlinelm.runtime.metrics import EngineMetrics, PrometheusCollector
+from inlinelm.runtime.outputs import RequestMetrics, RequestOutput
+from inlinelm.runtime.request_state import ParentRequest, RequestState
+from inlinelm.runtime.stream import RequestStream
+from inlinelm.sampling_params import OutputKind, SamplingParams
+from inlinelm.sched.output import EngineCoreOutputs
+from inlinelm.sched.request import Request
+
+logger = logging.getLogger("inlinelm")
+
+Prompt = str | list[int]
+
+
+class Engine:
+    """An LLM engine living in this process: one engine thread, outputs on the callers' loops.
+
+    ``Engine(model="default", **options)`` or ``Engine(EngineConfig(...))``. Construction does
+    no heavy work; ``await engine.start()`` (or the first request) loads the model off the
+    event loop. Use ``async with Engine(...) as engine`` or call ``aclose()``/``close()``.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, /, **options: Any) -> None:
+        base = config if config is not None else EngineConfig()
+        self.config = base.with_options(**options) if options else base
+        self.metrics = EngineMetrics()
+        self._dispatcher = OutputDispatcher()
+        self._loaded: LoadedEngine | None = None
+        self._start_future: concurrent.futures.Future[LoadedEngine] | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._num_queued_requests = 0
+        self._num_queued_tokens = 0
+        self._heartbeat = _Heartbeat(time.perf_counter())
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model and start the engine thread (idempotent); returns once warm."""
+        await asyncio.wrap_future(self._begin_start())
+
+    def _begin_start(self) -> concurrent.futures.Future[LoadedEngine]:
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("the engine is closed")
+            if self._start_future is None:
+                self._start_future = concurrent.futures.Future()
+                threading.Thread(target=self._load, name="inlinelm-loader", daemon=True).start()
+            return self._start_future
+
+    def _load(self) -> None:
+        assert self._start_future is not None
+        try:
+            # NOTE: the sink must not reference the Engine, so an Engine dropped without
+            # close() is collected, and its finalizer stops the engine thread.
+            loaded = load_engine(
+                self.config, functools.partial(_post_outputs, self._dispatcher, self._heartbeat)
+            )
+        except BaseException as e:
+            self._start_future.set_exception(e)
+            return
+        finalizer = weakref.finalize(self, loaded.core.shutdown)
+        finalizer.atexit = False
+        self._loaded = loaded
+        self._start_future.set_result(loaded)
+
+    def start_sync(self) -> None:
+        """Blocking ``start()`` for scripts and threads."""
+        self._begin_start().result()
+
+    async def aclose(self) -> None:
+        """Stop the engine thread, fail open streams with ``EngineClosedError``, free memory."""
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        """Blocking ``aclose()`` (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            future = self._start_future
+        if future is not None:
+            try:
+                loaded = future.result()
+            except BaseException:
+                loaded = None
+            if loaded is not None:
+                loaded.core.shutdown()
+                loaded.core.join()
+        self._fail_all_loops(EngineClosedError("the engine was closed"))
+        self._loaded = None
+        gc.collect()
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def is_ready(self) -> bool:
+        """True once the model is loaded and warm and the engine thread runs."""
+        return self._loaded is not None and not self._closed
+
+    def health(self) -> tuple[bool, str]:
+        """``(True, "ok")``, or ``(False, reason)`` when closed, dead or stuck in a step."""
+        if self._closed:
+            return False, "closed"
+        error = self._dispatcher.fatal_error
+        if error is not None:
+            return False, f"dead: {type(error).__name__}: {error}"
+        loaded = self._loaded
+        if loaded is None:
+            return False, "starting"
+        stats = loaded.core.stats
+        idle_for = time.perf_counter() - self._heartbeat.last
+        if stats.num_running + stats.num_waiting > 0 and idle_for > self.config.step_timeout_s:
+            return False, f"stuck: no engine step finished for {idle_for:.1f} s"
+        return True, "ok"
+
+    @property
+    def healthy(self) -> bool:
+        """False when the engine is closed, dead or stuck."""
+        return self.health()[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (a transformers tokenizer); available once started."""
+        return self._require_loaded().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output) the engine serves."""
+        return self._require_loaded().max_model_len
+
+    @property
+    def model_name(self) -> str:
+        """The served model id."""
+        return (
+            "default"
+            if self.config.model == "default"
+            else self.config.model.rstrip("/").split("/")[-1]
+        )
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Size of the KV block pool."""
+        return self._require_loaded().core.num_kv_blocks
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        """Free KV blocks after the last engine step."""
+        return self._require_loaded().core.num_free_blocks
+
+    def stats(self) -> dict[str, Any]:
+        """Engine-wide numbers: queues, KV use, prefix-cache hit rate, histograms, coalescing."""
+        loaded = self._loaded
+        core = loaded.core.stats if loaded is not None else None
+        queried = core.num_prefix_queried_tokens if core else 0
+        with self.metrics.lock:
+            histograms = {name: h.snapshot() for name, h in self.metrics.histograms().items()}
+            finished = dict(self.metrics.finished)
+            merges = self.metrics.num_merged_outputs
+        return {
+            "num_running": core.num_running if core else 0,
+            "num_waiting": core.num_waiting if core else 0,
+            "num_queued": self._num_queued_requests,
+            "kv_blocks_used": (core.num_kv_blocks - core.num_free_blocks) if core else 0,
+            "kv_blocks_total": core.num_kv_blocks if core else 0,
+            "prefix_cache_hit_rate": (core.num_prefix_hit_tokens / queried)
+            if core and queried
+            else 0.0,
+            "num_steps": core.num_steps if core else 0,
+            "num_merged_outputs": merges,
+            "num_coalesced_steps": sum(b.num_coalesced_steps for b in self._dispatcher.bridges()),
+            "finished": finished,
+            "histograms": histograms,
+        }
+
+    def register_metrics(self, registry: Any) -> None:
+        """Register a Prometheus collector for this engine on ``registry``."""
+        registry.register(PrometheusCollector(self.stats, self.metrics))
+
+    # -- requests ------------------------------------------------------------------------
+
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        add_special_tokens: bool = True,
+        **overrides: Any,
+    ) -> RequestStream:
+        """Start generating for ``prompt`` (text or token ids) and return its stream.
+
+        When the engine is started, validation, admission and the hand-over to the engine
+        happen here, so ``RequestError``/``QueueFullError``/``EngineError`` raise at once;
+        before that they raise from the first ``async for``/``await``.
+        """
+        params = _params(params, overrides)
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        self._check_usable()
+        stream = RequestStream(
+            rid,
+            lambda: self._submit_lazily(prompt, params, rid, arrival, add_special_tokens),
+            lambda: self._abort(rid),
+            delta=params.output_kind is OutputKind.DELTA,
+        )
+        if self.is_ready:
+            stream._attach(self._submit(prompt, params, rid, arrival, add_special_tokens))
+        return stream
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        **overrides: Any,
+    ) -> RequestStream:
+        """Like :meth:`stream`, with the model's chat template applied to ``messages``."""
+        if not self.is_ready:
+            self.start_sync()
+        prompt = self.render_chat(messages)
+        return self.stream(
+            prompt,
+            params,
+            request_id=request_id,
+            arrival_time=arrival_time,
+            add_special_tokens=False,
+            **overrides,
+        )
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        """The prompt text the chat template makes of ``messages`` (with the assistant turn opened)."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:
+            raise RequestError(f"cannot apply the chat template: {e}", param="messages") from e
+        return str(text)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Synchronous batch generation with a progress bar.
+
+        Works from a plain script, any thread, and inside a running event loop (a Jupyter
+        cell): it then runs on a private loop in a helper thread.
+        """
+        from inlinelm.runtime.sync import run_sync
+
+        batch = (
+            [prompts]
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+            else list(prompts)
+        )
+        return run_sync(self._generate_all(batch, params, use_tqdm))  # type: ignore[arg-type]
+
+    async def _generate_all(
+        self, prompts: list[Prompt], params: SamplingParams | None, use_tqdm: bool
+    ) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        await self.start()
+        streams = [self.stream(p, params) for p in prompts]
+        with tqdm(total=len(streams), disable=not use_tqdm, desc="generate") as bar:
+
+            async def one(s: RequestStream) -> RequestOutput:
+                out = await s
+                bar.update(1)
+                return out
+
+            return list(await asyncio.gather(*(one(s) for s in streams)))
+
+    # -- submission (event loop) -----------------------------------------------------------
+
+    async def _submit_lazily(
+        self, prompt: Prompt, params: SamplingParams, rid: str, arrival: float, add_special: bool
+    ) -> RequestOutputCollector:
+        await self.start()
+        return self._submit(prompt, params, rid, arrival, add_special)
+
+    def _submit(
+        self, prompt: Prompt, params: SamplingParams, rid: str, arrival: float, add_special: bool
+    ) -> RequestOutputCollector:
+        loaded = self._require_loaded()
+        self._check_usable()
+        self._admit_count()
+        prompt_ids = loaded.admission.tokenize(prompt, add_special)
+        max_tokens = loaded.admission.check_lengths(prompt_ids, params)
+        self._admit_tokens(len(prompt_ids))
+        loop = asyncio.get_running_loop()
+        bridge = self._dispatcher.bridge_for(loop, lambda: self._make_bridge(loop))
+        parent, children = self._make_states(loaded, rid, prompt_ids, params, arrival)
+        with self._lock:
+            self._num_queued_requests += 1
+            self._num_queued_tokens += len(prompt_ids)
+        bridge.processor.add(parent, children)
+        if self._dispatcher.fatal_error is not None or self._closed:
+            self._drop(bridge, parent)
+            self._check_usable()
+        self._arm_queue_timeout(loop, bridge, parent)
+        for i, child in enumerate(children):
+            child_params = params if params.n == 1 else _child_params(params, i)
+            request = Request(
+                child.request_id,
+                prompt_ids,
+                child_params,
+                loaded.eos_token_id,
+                arrival_time=arrival,
+            )
+            loaded.core.add_request(request)
+        del max_tokens
+        self._heartbeat.last = time.perf_counter()
+        return parent.collector
+
+    def _make_states(
+        self,
+        loaded: LoadedEngine,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+    ) -> tuple[ParentRequest, list[RequestState]]:
+        delta = params.output_kind is OutputKind.DELTA
+        collector = RequestOutputCollector(
+            delta=delta, max_backlog_chars=self.config.max_stream_backlog_bytes
+        )
+        child_ids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
+        parent = ParentRequest(
+            rid, collector, prompt_ids, RequestMetrics(arrival), params, params.n, child_ids
+        )
+        interval = params.stream_interval or self.config.stream_interval
+        children = [
+            RequestState(
+                cid,
+                i,
+                parent,
+                loaded.make_detokenizer(prompt_ids, params),
+                params.output_kind,
+                interval,
+            )
+            for i, cid in enumerate(child_ids)
+        ]
+        return parent, children
+
+    def _admit_count(self) -> None:
+        limit = self.config.max_queued_requests
+        if limit is not None and self._num_queued_requests >= limit:
+            raise QueueFullError(
+                f"too many queued requests ({self._num_queued_requests} >= max_queued_requests={limit})"
+            )
+
+    def _admit_tokens(self, num_tokens: int) -> None:
+        limit = self.config.max_queued_tokens
+        if limit is not None and self._num_queued_tokens + num_tokens > limit:
+            raise QueueFullError(
+                f"too many queued prompt tokens ({self._num_queued_tokens} + {num_tokens} > max_queued_tokens={limit})"
+            )
+
+    def _arm_queue_timeout(
+        self, loop: asyncio.AbstractEventLoop, bridge: LoopBridge, parent: ParentRequest
+    ) -> None:
+        wait = self.config.max_queue_wait_s
+        if wait is not None:
+            parent.timeout = loop.call_later(wait, self._queue_timeout, bridge, parent)
+
+    def _queue_timeout(self, bridge: LoopBridge, parent: ParentRequest) -> None:
+        if parent.queued and parent.request_id in bridge.processor.parents:
+            self._drop(bridge, parent)
+            parent.collector.put(
+                QueueTimeoutError(
+                    f"request {parent.request_id} waited over max_queue_wait_s={self.config.max_queue_wait_s} s"
+                )
+            )
+
+    def _abort(self, rid: str) -> None:
+        """Abort a request from its own loop: forget its state, tell the engine thread."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for bridge in self._dispatcher.bridges():
+            if bridge.loop is loop and rid in bridge.processor.parents:
+                self._drop(bridge, bridge.processor.parents[rid])
+
+    def _drop(self, bridge: LoopBridge, parent: ParentRequest) -> None:
+        ids = bridge.processor.remove(parent)
+        self._unqueue(parent)
+        loaded = self._loaded
+        if ids and loaded is not None:
+            loaded.core.abort(ids)
+
+    def _unqueue(self, parent: ParentRequest) -> None:
+        if parent.queued:
+            parent.queued = False
+            with self._lock:
+                self._num_queued_requests -= 1
+                self._num_queued_tokens -= len(parent.prompt_token_ids)
+
+    # -- output side -----------------------------------------------------------------------
+
+    def _make_bridge(self, loop: asyncio.AbstractEventLoop) -> LoopBridge:
+        core_abort = self._abort_ids
+        return LoopBridge(loop, core_abort, self._unqueue, self._observe_step, self.metrics)
+
+    def _abort_ids(self, ids: list[str]) -> None:
+        loaded = self._loaded
+        if loaded is not None:
+            loaded.core.abort(ids)
+
+    def _observe_step(self, batch: EngineCoreOutputs) -> None:
+        self.metrics.observe_step(
+            batch.step_end - batch.step_start, time.perf_counter() - batch.step_end
+        )
+
+    def _fail_all_loops(self, error: BaseException) -> None:
+        for bridge in self._dispatcher.bridges():
+            with contextlib.suppress(RuntimeError):
+                bridge.loop.call_soon_threadsafe(bridge.processor.fail_all, error)
+                bridge.loop.call_soon_threadsafe(bridge.task.cancel)
+
+    def _require_loaded(self) -> LoadedEngine:
+        self._check_usable()
+        if self._loaded is None:
+            raise RuntimeError("the engine is not started yet: await engine.start() first")
+        return self._loaded
+
+    def _check_usable(self) -> None:
+        error = self._dispatcher.fatal_error
+        if error is not None:
+            raise EngineDeadError(f"the engine thread died: {error!r}") from error
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+
+
+class _Heartbeat:
+    """When the engine last showed progress (a step posted, or a request added)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self, last: float) -> None:
+        self.last = last
+
+
+def _post_outputs(
+    dispatcher: OutputDispatcher, heartbeat: _Heartbeat, batch: EngineCoreOutputs
+) -> None:
+    """Engine-thread sink: one call per step."""
+    heartbeat.last = time.perf_counter()
+    if batch.error is not None:
+        logger.error("the engine thread died: %r", batch.error)
+    dispatcher.post(batch)
+
+
+def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
+    base = params if params is not None else SamplingParams()
+    return base.with_overrides(**overrides) if overrides else base
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    seed = None if params.seed is None else params.seed + index
+    return params.with_overrides(n=1, seed=seed)

@@ -1,0 +1,174 @@
+"""Turns engine-step outputs into ``RequestOutput`` objects for collectors (event loop).
+
+``process_outputs`` is the only per-step loop over the batch on the event loop
+(DESIGN invariant 2): detokenize → stop strings → build the output → collector.put.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from inlinelm.errors import SlowConsumerError
+from inlinelm.runtime.metrics import EngineMetrics
+from inlinelm.runtime.outputs import CompletionOutput, RequestOutput
+from inlinelm.runtime.request_state import ParentRequest, RequestState
+from inlinelm.sampling_params import OutputKind
+from inlinelm.sched.output import EngineCoreOutput, FinishReason
+
+
+class OutputProcessor:
+    """Holds the states of one event loop's live requests and processes their outputs."""
+
+    def __init__(self, on_started: Callable[[ParentRequest], None], metrics: EngineMetrics) -> None:
+        self.states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+        self._on_started = on_started
+        self._metrics = metrics
+
+    def add(self, parent: ParentRequest, children: list[RequestState]) -> None:
+        """Register a request and its choices (before its ADD leaves for the engine)."""
+        self.parents[parent.request_id] = parent
+        for child in children:
+            self.states[child.request_id] = child
+
+    def remove(self, parent: ParentRequest) -> list[str]:
+        """Forget a request; returns the engine-side ids of its unfinished choices."""
+        self.parents.pop(parent.request_id, None)
+        if parent.timeout is not None:
+            parent.timeout.cancel()
+        return [cid for cid in parent.child_ids if self.states.pop(cid, None) is not None]
+
+    def process_outputs(self, outputs: list[EngineCoreOutput], step_start: float) -> list[str]:
+        """Process one slice of a step's outputs; return engine ids to abort (stop strings, slow readers)."""
+        now = time.perf_counter()
+        to_abort: list[str] = []
+        states = self.states
+        for out in outputs:
+            state = states.get(out.request_id)
+            if state is None:
+                continue  # NOTE: aborted or another loop's request; dropped by design.
+            self._process_one(state, out, now, step_start, to_abort)
+        return to_abort
+
+    def _process_one(
+        self,
+        state: RequestState,
+        out: EngineCoreOutput,
+        now: float,
+        step_start: float,
+        to_abort: list[str],
+    ) -> None:
+        parent = state.parent
+        self._record_timing(parent, out, now, step_start)
+        finish_reason, stop_reason = _finish_of(out)
+        if out.new_token_ids:
+            stop = state.detokenizer.update(out.new_token_ids)
+            if stop is not None and finish_reason is None:
+                finish_reason, stop_reason = "stop", stop
+                to_abort.append(state.request_id)
+        if out.new_logprobs:
+            state.logprobs = (state.logprobs or []) + out.new_logprobs
+        finished = finish_reason is not None
+        if finished:
+            self.states.pop(state.request_id, None)
+            parent.num_finished += 1
+            if parent.finished:
+                self.remove(parent)
+                self._observe_finished(parent, finish_reason, now)
+        elif not self._due(state):
+            return
+        self._emit(state, finish_reason, stop_reason, to_abort)
+
+    def _observe_finished(self, parent: ParentRequest, reason: str | None, now: float) -> None:
+        m = parent.metrics
+        m.finished_time = now
+        self._metrics.observe_finished(
+            reason or "stop", m.ttft, m.inter_token_latencies, m.e2e, parent.collector.num_merges
+        )
+
+    def _record_timing(
+        self, parent: ParentRequest, out: EngineCoreOutput, now: float, step_start: float
+    ) -> None:
+        metrics = parent.metrics
+        if not out.new_token_ids:
+            return
+        if metrics.first_token_time is None:
+            metrics.scheduled_time = step_start
+            metrics.first_token_time = now
+            parent.num_cached_tokens = out.num_cached_tokens
+            if parent.timeout is not None:
+                parent.timeout.cancel()
+                parent.timeout = None
+            self._on_started(parent)
+        elif metrics.last_token_time is not None and now > metrics.last_token_time:
+            metrics.inter_token_latencies.append(now - metrics.last_token_time)
+        metrics.last_token_time = now
+
+    def _due(self, state: RequestState) -> bool:
+        """stream_interval: send the first token at once, then every N-th step."""
+        if state.output_kind is OutputKind.FINAL_ONLY:
+            return False
+        if state.num_sent_tokens == 0:
+            return True
+        state.num_unsent_steps += 1
+        return state.num_unsent_steps >= state.stream_interval
+
+    def _emit(
+        self,
+        state: RequestState,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        to_abort: list[str],
+    ) -> None:
+        delta = state.output_kind is OutputKind.DELTA
+        text = state.detokenizer.next_output_text(finish_reason is not None, delta)
+        all_ids = state.detokenizer.output_token_ids
+        token_ids = all_ids[state.num_sent_tokens :] if delta else list(all_ids)
+        if not text and finish_reason is None and not state.logprobs:
+            return  # NOTE: nothing a reader could show; the ids go out with the next text.
+        state.num_unsent_steps = 0
+        state.num_sent_tokens = len(all_ids)
+        logprobs = state.logprobs
+        if delta:
+            state.logprobs = None
+        choice = CompletionOutput(
+            state.index, text, token_ids, finish_reason, stop_reason, logprobs
+        )
+        parent = state.parent
+        output = RequestOutput(
+            parent.request_id,
+            [choice],
+            parent.finished,
+            parent.prompt_token_ids,
+            parent.metrics,
+            parent.num_cached_tokens,
+        )
+        if not parent.collector.put(output):
+            self._fail_slow_consumer(parent, to_abort)
+
+    def _fail_slow_consumer(self, parent: ParentRequest, to_abort: list[str]) -> None:
+        to_abort.extend(self.remove(parent))
+        parent.collector.put(
+            SlowConsumerError(
+                f"request {parent.request_id}: reader fell behind by over {parent.collector.max_backlog_chars} characters"
+            )
+        )
+
+    def fail_all(self, error: BaseException) -> None:
+        """Hand ``error`` to every live request and forget them all (the engine died or closed)."""
+        for parent in list(self.parents.values()):
+            self.remove(parent)
+            parent.collector.put(error)
+        self.states.clear()
+
+
+def _finish_of(out: EngineCoreOutput) -> tuple[str | None, int | str | None]:
+    if out.finish_reason is None:
+        return None, None
+    reason = (
+        out.finish_reason.value
+        if isinstance(out.finish_reason, FinishReason)
+        else str(out.finish_reason)
+    )
+    return reason, out.stop_reason

@@ -1,0 +1,89 @@
+"""What a caller receives: ``RequestOutput`` (one request) holding ``CompletionOutput`` choices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inlinelm.sched.output import TokenLogprobs
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps (``time.perf_counter()`` seconds) and derived latencies of one request."""
+
+    arrival_time: float
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_merged_outputs: int = 0
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        """Seconds from arrival to the end."""
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first."""
+        lats = self.inter_token_latencies
+        return sum(lats) / len(lats) if lats else None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One choice of a request: its text and tokens (new ones only in delta mode)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """News about a request: a delta, the text so far, or the final result (per output_kind).
+
+    For ``n == 1`` the properties ``text``, ``token_ids``, ``finish_reason``, ``stop_reason``
+    and ``logprobs`` read the single choice; with ``n > 1`` read ``outputs`` (each has its
+    ``index``). ``finished`` is true once every choice has finished.
+    """
+
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids if self.outputs else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason if self.outputs else None
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason if self.outputs else None
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs if self.outputs else None

@@ -24,7 +24,9 @@ def measure(runner: ModelRunner, batch: int, new_tokens: int) -> dict[str, float
     scheduler = Scheduler(runner.config, runner.num_kv_blocks, 2)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
-        scheduler.add_request(Request(f"r{batch}-{i}", [1 + (i * 7 + j) % 4000 for j in range(24)], params, 2))
+        scheduler.add_request(
+            Request(f"r{batch}-{i}", [1 + (i * 7 + j) % 4000 for j in range(24)], params, 2)
+        )
     decode_times: list[float] = []
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
@@ -36,7 +38,12 @@ def measure(runner: ModelRunner, batch: int, new_tokens: int) -> dict[str, float
         scheduler.update_from_output(out, result)
     decode_times.sort()
     median = decode_times[len(decode_times) // 2]
-    return {"batch": batch, "median_step_ms": median * 1e3, "steps_per_s": 1 / median, "tokens_per_s": batch / median}
+    return {
+        "batch": batch,
+        "median_step_ms": median * 1e3,
+        "steps_per_s": 1 / median,
+        "tokens_per_s": batch / median,
+    }
 
 
 def main() -> None:
@@ -51,7 +58,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     print(f"{'batch':>5} {'median step ms':>15} {'steps/s':>9} {'tokens/s':>9}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['median_step_ms']:>15.2f} {r['steps_per_s']:>9.1f} {r['tokens_per_s']:>9.1f}")
+        print(
+            f"{r['batch']:>5} {r['median_step_ms']:>15.2f} {r['steps_per_s']:>9.1f} {r['tokens_per_s']:>9.1f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": rows}, f, indent=2)

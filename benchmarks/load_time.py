@@ -1,0 +1,77 @@
+"""First and second start of the default model: GGUF conversion, then cached load.
+
+Each start runs in a fresh process against an empty ``INLINELM_CACHE`` (first) and the
+filled one (second), and times resolve + weights + tokenizer. ``--json PATH`` writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import time, torch
+t0 = time.perf_counter()
+from transformers import AutoTokenizer
+from inlinelm.gpu.attention import TorchAttention
+from inlinelm.gpu.model_config import ModelConfig
+from inlinelm.gpu.model_files import resolve_model
+from inlinelm.gpu.weights import load_model
+t1 = time.perf_counter()
+folder = resolve_model("default").folder
+t2 = time.perf_counter()
+cfg = ModelConfig.from_folder(folder)
+load_model(folder, cfg, dtype=torch.float32, device=torch.device("cpu"),
+           backend=TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), max_positions=cfg.max_position_embeddings)
+t3 = time.perf_counter()
+AutoTokenizer.from_pretrained(str(folder))
+t4 = time.perf_counter()
+print(f"{t1-t0:.3f} {t2-t1:.3f} {t3-t2:.3f} {t4-t3:.3f}")
+"""
+
+
+def start(cache: str) -> list[float]:
+    env = {**os.environ, "INLINELM_CACHE": cache}
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True
+    )
+    return [float(x) for x in out.stdout.split()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as cache:
+        rows = {"first": start(cache), "second": start(cache)}
+    print(
+        f"{'start':<7} {'imports s':>9} {'resolve s':>9} {'weights s':>9} {'tokenizer s':>11} {'load total s':>12}"
+    )
+    for name, (imp, res, w, tok) in rows.items():
+        print(f"{name:<7} {imp:>9.2f} {res:>9.2f} {w:>9.2f} {tok:>11.2f} {res + w + tok:>12.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "results": {
+                        k: dict(
+                            zip(
+                                ("imports_s", "resolve_s", "weights_s", "tokenizer_s"),
+                                v,
+                                strict=True,
+                            )
+                        )
+                        for k, v in rows.items()
+                    }
+                },
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -327,7 +327,7 @@ class Engine:
         self._check_usable()
         self._admit_count()
         prompt_ids = loaded.admission.tokenize(prompt, add_special)
-        max_tokens = loaded.admission.check_lengths(prompt_ids, params)
+        loaded.admission.check_lengths(prompt_ids, params)
         self._admit_tokens(len(prompt_ids))
         loop = asyncio.get_running_loop()
         bridge = self._dispatcher.bridge_for(loop, lambda: self._make_bridge(loop))
@@ -340,17 +340,22 @@ class Engine:
             self._drop(bridge, parent)
             self._check_usable()
         self._arm_queue_timeout(loop, bridge, parent)
-        for i, child in enumerate(children):
-            child_params = params if params.n == 1 else _child_params(params, i)
-            request = Request(
-                child.request_id,
+        requests = [
+            Request(
+                c.request_id,
                 prompt_ids,
-                child_params,
+                params if params.n == 1 else _child_params(params, i),
                 loaded.eos_token_id,
                 arrival_time=arrival,
             )
+            for i, c in enumerate(children)
+        ]
+        # NOTE: with n > 1 and prefix caching, the other choices wait until the first one has
+        # computed the prompt, so they read its KV blocks from the prefix cache.
+        share = params.n > 1 and self.config.enable_prefix_caching
+        parent.deferred = requests[1:] if share else []
+        for request in requests[: 1 if share else None]:
             loaded.core.add_request(request)
-        del max_tokens
         self._heartbeat.last = time.perf_counter()
         return parent.collector
 
@@ -442,7 +447,15 @@ class Engine:
 
     def _make_bridge(self, loop: asyncio.AbstractEventLoop) -> LoopBridge:
         core_abort = self._abort_ids
-        return LoopBridge(loop, core_abort, self._unqueue, self._observe_step, self.metrics)
+        return LoopBridge(loop, core_abort, self._on_started, self._observe_step, self.metrics)
+
+    def _on_started(self, parent: ParentRequest) -> None:
+        """A request's first token arrived: it left the queue; deferred choices may start."""
+        self._unqueue(parent)
+        if parent.deferred and self._loaded is not None:
+            for request in parent.deferred:
+                self._loaded.core.add_request(request)
+            parent.deferred = []
 
     def _abort_ids(self, ids: list[str]) -> None:
         loaded = self._loaded

@@ -10,6 +10,7 @@ from inlinelm.runtime.collector import RequestOutputCollector
 from inlinelm.runtime.outputs import RequestMetrics
 from inlinelm.sampling_params import OutputKind, SamplingParams
 from inlinelm.sched.output import TokenLogprobs
+from inlinelm.sched.request import Request
 
 
 @dataclass(slots=True, eq=False)
@@ -27,6 +28,8 @@ class ParentRequest:
     num_cached_tokens: int = 0
     queued: bool = True
     timeout: asyncio.TimerHandle | None = None
+    # n > 1: engine requests of the other choices, sent once the first has its prompt cached.
+    deferred: list[Request] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,315 @@
+"""Requests of the OpenAI-compatible API, parsed from JSON into typed records.
+
+Parsing happens before anything reaches the engine: a bad body, a field of the wrong type,
+an out-of-range value or a field inlinelm does not implement is a 400 (:class:`APIError`)
+naming the field. Range checks live in :class:`~inlinelm.SamplingParams`, whose
+``RequestError`` is turned into the same 400 here, so each rule is written once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from inlinelm.api.errors import APIError, bad_request
+from inlinelm.api.fields import Fields
+from inlinelm.errors import RequestError
+from inlinelm.sampling_params import OutputKind, SamplingParams
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+# Prompt: one string, or token ids. A completions request may carry several.
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Server-side limits a request is checked against before it reaches the engine."""
+
+    max_n: int = 16
+    max_logprobs: int = 20
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    """A parsed ``POST /v1/chat/completions`` body."""
+
+    model: str | None
+    messages: list[dict[str, Any]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    user: str | None
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    """A parsed ``POST /v1/completions`` body; ``prompts`` has one entry per prompt."""
+
+    model: str | None
+    prompts: list[Prompt]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool
+    logprobs: int | None
+    user: str | None
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The request body parsed as JSON; 413 past ``max_bytes``, 400 when it is not JSON.
+
+    The declared ``Content-Length`` is checked first, then the bytes as they arrive, so
+    an oversized body is refused without being buffered whole.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise _too_large(max_bytes)
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def parse_chat(data: Any, limits: Limits) -> ChatRequest:
+    """Parse a chat completions body (see the module docstring for the error contract)."""
+    fields = Fields(data)
+    messages = _read_messages(fields)
+    logprobs = fields.read_bool("logprobs", False)
+    top_logprobs = fields.read_int("top_logprobs", None)
+    if top_logprobs is not None and not logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    max_tokens = _read_chat_max_tokens(fields)
+    stream, include_usage = _read_stream(fields)
+    options = _read_sampling(fields, limits, max_tokens=max_tokens, stream=stream)
+    if logprobs:
+        options["logprobs"] = _check_logprobs(top_logprobs or 0, "top_logprobs", limits)
+    request = ChatRequest(
+        model=fields.read_str("model", None),
+        messages=messages,
+        params=_sampling_params(options),
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        user=fields.read_str("user", None),
+    )
+    fields.refuse_rest()
+    return request
+
+
+def parse_completion(data: Any, limits: Limits) -> CompletionRequest:
+    """Parse a completions body (see the module docstring for the error contract)."""
+    fields = Fields(data)
+    prompts = _read_prompts(fields)
+    logprobs = fields.read_int("logprobs", None)
+    if logprobs is not None:
+        _check_logprobs(logprobs, "logprobs", limits)
+    echo = fields.read_bool("echo", False)
+    if echo and logprobs is not None:
+        # NOTE: echo with logprobs needs prompt logprobs, which the engine does not compute;
+        # answering with generated logprobs only would silently misalign them.
+        raise bad_request(
+            "echo together with logprobs is not supported yet", "echo", code="unsupported_parameter"
+        )
+    stream, include_usage = _read_stream(fields)
+    options = _read_sampling(
+        fields, limits, max_tokens=fields.read_int("max_tokens", 16), stream=stream
+    )
+    options["logprobs"] = logprobs
+    request = CompletionRequest(
+        model=fields.read_str("model", None),
+        prompts=prompts,
+        params=_sampling_params(options),
+        stream=stream,
+        include_usage=include_usage,
+        echo=echo,
+        logprobs=logprobs,
+        user=fields.read_str("user", None),
+    )
+    fields.refuse_rest()
+    return request
+
+
+def parse_tokenize(data: Any) -> tuple[str | None, list[dict[str, Any]] | None, bool]:
+    """``POST /tokenize``: ``(prompt, messages, add_special_tokens)``, exactly one of the two set."""
+    fields = Fields(data)
+    fields.read_str("model", None)
+    prompt = fields.read_str("prompt", None)
+    messages = _read_messages(fields) if fields.has("messages") else None
+    add_special = fields.read_bool("add_special_tokens", messages is None)
+    fields.refuse_rest()
+    if (prompt is None) == (messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    return prompt, messages, add_special
+
+
+def parse_detokenize(data: Any) -> list[int]:
+    """``POST /detokenize``: the token ids to turn back into text."""
+    fields = Fields(data)
+    fields.read_str("model", None)
+    if not fields.has("tokens"):
+        raise bad_request("tokens is required", "tokens", code="missing_required_parameter")
+    tokens = fields.read_int_list("tokens")
+    fields.refuse_rest()
+    if any(t < 0 for t in tokens):
+        raise bad_request("tokens must be non-negative token ids", "tokens")
+    return tokens
+
+
+def _read_sampling(
+    fields: Fields, limits: Limits, *, max_tokens: int | None, stream: bool
+) -> dict[str, Any]:
+    """The ``SamplingParams`` keyword arguments shared by chat and completions."""
+    n = fields.read_int("n", 1)
+    assert n is not None
+    if not 1 <= n <= limits.max_n:
+        raise bad_request(f"n must be between 1 and {limits.max_n}, got {n}", "n")
+    return {
+        "n": n,
+        "max_tokens": max_tokens,
+        "min_tokens": fields.read_int("min_tokens", 0),
+        "temperature": fields.read_float("temperature", 1.0),
+        "top_p": fields.read_float("top_p", 1.0),
+        "top_k": fields.read_int("top_k", 0),
+        "min_p": fields.read_float("min_p", 0.0),
+        "presence_penalty": fields.read_float("presence_penalty", 0.0),
+        "frequency_penalty": fields.read_float("frequency_penalty", 0.0),
+        "repetition_penalty": fields.read_float("repetition_penalty", 1.0),
+        "seed": fields.read_int("seed", None),
+        "stop": fields.read_stop("stop"),
+        "stop_token_ids": fields.read_int_list("stop_token_ids"),
+        "include_stop_str_in_output": fields.read_bool("include_stop_str_in_output", False),
+        "ignore_eos": fields.read_bool("ignore_eos", False),
+        "logit_bias": fields.read_logit_bias("logit_bias"),
+        "skip_special_tokens": fields.read_bool("skip_special_tokens", True),
+        # Streams want deltas; a whole response wants only the end (no merging on the way).
+        "output_kind": OutputKind.DELTA if stream else OutputKind.FINAL_ONLY,
+    }
+
+
+def _sampling_params(options: dict[str, Any]) -> SamplingParams:
+    """Build the params; their range errors become 400s naming the field."""
+    try:
+        return SamplingParams(**options)
+    except RequestError as exc:
+        raise bad_request(exc.message, exc.param) from None
+
+
+def _read_stream(fields: Fields) -> tuple[bool, bool]:
+    """``(stream, include_usage)``; stream_options without stream is a 400, as at OpenAI."""
+    stream = fields.read_bool("stream", False)
+    options = fields.read_object("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    include_usage = options.read_bool("include_usage", False)
+    options.refuse_rest()
+    return stream, include_usage
+
+
+def _read_chat_max_tokens(fields: Fields) -> int | None:
+    """``max_completion_tokens`` wins over its deprecated alias ``max_tokens``; None = to the context end."""
+    max_tokens = fields.read_int("max_tokens", None)
+    max_completion = fields.read_int("max_completion_tokens", None)
+    chosen, name = (
+        (max_completion, "max_completion_tokens")
+        if max_completion is not None
+        else (max_tokens, "max_tokens")
+    )
+    if chosen is not None and chosen < 1:
+        raise bad_request(f"{name} must be a positive integer", name)
+    return chosen
+
+
+def _check_logprobs(value: int, name: str, limits: Limits) -> int:
+    if not 0 <= value <= limits.max_logprobs:
+        raise bad_request(f"{name} must be between 0 and {limits.max_logprobs}, got {value}", name)
+    return value
+
+
+def _read_messages(fields: Fields) -> list[dict[str, Any]]:
+    """Chat messages: role plus string content or text content parts (joined)."""
+    value = fields.raw("messages")
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages must be a non-empty list of messages", "messages")
+    return [_read_message(Fields(m, where=f"messages[{i}]")) for i, m in enumerate(value)]
+
+
+def _read_message(fields: Fields) -> dict[str, Any]:
+    role = fields.read_str("role", None)
+    if role not in CHAT_ROLES:
+        raise bad_request(
+            f"{fields.name('role')} must be one of {', '.join(CHAT_ROLES)}", fields.name("role")
+        )
+    message: dict[str, Any] = {"role": role, "content": _read_content(fields)}
+    name = fields.read_str("name", None)
+    if name is not None:
+        message["name"] = name
+    fields.refuse_rest()
+    return message
+
+
+def _read_content(fields: Fields) -> str:
+    """String content, or a list of ``{"type": "text", "text": ...}`` parts joined by newlines."""
+    value = fields.raw("content")
+    if value is None or isinstance(value, str):
+        return value or ""
+    if not isinstance(value, list):
+        raise fields.wrong_type("content", "a string or a list of text parts")
+    texts = []
+    for i, part in enumerate(value):
+        part_fields = Fields(part, where=f"{fields.name('content')}[{i}]")
+        if part_fields.read_str("type", None) != "text":
+            name = part_fields.name("type")
+            raise bad_request(
+                f"{name}: only text content parts are supported", name, code="unsupported_parameter"
+            )
+        text = part_fields.read_str("text", None)
+        if text is None:
+            raise part_fields.wrong_type("text", "a string")
+        part_fields.refuse_rest()
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _read_prompts(fields: Fields) -> list[Prompt]:
+    """OpenAI's four prompt forms: a string, strings, token ids, lists of token ids."""
+    value = fields.raw("prompt")
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(_is_token_id(t) for t in value):
+            return [list(value)]
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+            return [list(p) for p in value]
+    raise bad_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
+        "prompt",
+        code="invalid_type",
+    )
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(
+        413,
+        f"request body is larger than {max_bytes} bytes",
+        param=None,
+        code="request_too_large",
+    )

@@ -1,0 +1,312 @@
+"""``openai_router``: the OpenAI-compatible endpoints of one engine, as a mountable Starlette router.
+
+Endpoints (relative to wherever the router is mounted):
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``)
+- ``GET /v1/models``, ``GET /health`` (200, or 503 with the reason), ``GET /metrics``
+- ``POST /tokenize``, ``POST /detokenize``
+
+Everything that can be wrong with a request is found before the 200 is sent: the body is
+parsed and checked, and the engine validates, tokenizes and admits the request
+synchronously in ``Engine.stream``/``Engine.chat``. The router keeps no global state: each
+call builds its own endpoints and its own Prometheus registry, so several engines can be
+mounted side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, Router
+
+from inlinelm.api.disconnect import finals_unless_disconnected
+from inlinelm.api.errors import APIError, bad_request, from_exception
+from inlinelm.api.formats import ChatFormat, ChoiceFormat, CompletionFormat
+from inlinelm.api.protocol import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    Limits,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+    read_json,
+)
+from inlinelm.api.request_log import log_streamed, log_whole
+from inlinelm.api.responses import ResponseHeader, TokenTexts, new_id, usage
+from inlinelm.api.sse import (
+    EventStreamResponse,
+    OutputStream,
+    StreamPlan,
+    StreamTally,
+    event_stream,
+)
+from inlinelm.errors import EngineError, QueueFullError, RequestError, RequestFailedError
+from inlinelm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from inlinelm.runtime.engine import Engine
+
+logger = logging.getLogger("inlinelm.api")
+
+DEFAULT_SSE_PING_S = 15.0
+
+
+def openai_router(
+    engine: Engine,
+    *,
+    model_name: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    sse_ping_s: float = DEFAULT_SSE_PING_S,
+) -> Router:
+    """The OpenAI-compatible API of ``engine`` as a router to mount under any prefix.
+
+    ``model_name`` is the id clients must send as ``model`` (default: ``engine.model_name``);
+    a request naming another model is a 400. Bodies over ``max_request_bytes`` are a 413.
+    Idle streams get an SSE comment every ``sse_ping_s`` seconds (0 turns pings off).
+    The engine is started on the first request if its owner has not started it.
+    """
+    api = OpenAIEndpoints(engine, model_name, max_request_bytes, sse_ping_s)
+    return Router(
+        routes=[
+            Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+            Route("/v1/completions", api.completions, methods=["POST"]),
+            Route("/v1/models", api.models, methods=["GET"]),
+            Route("/health", api.health, methods=["GET"]),
+            Route("/metrics", api.metrics, methods=["GET"]),
+            Route("/tokenize", api.tokenize, methods=["POST"]),
+            Route("/detokenize", api.detokenize, methods=["POST"]),
+        ]
+    )
+
+
+class OpenAIEndpoints:
+    """The handlers behind :func:`openai_router`, bound to one engine."""
+
+    def __init__(
+        self, engine: Engine, model_name: str | None, max_request_bytes: int, sse_ping_s: float
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name or engine.model_name
+        self.max_request_bytes = max_request_bytes
+        self.sse_ping_s = sse_ping_s
+        self.registry = CollectorRegistry(auto_describe=True)
+        engine.register_metrics(self.registry)
+        self._texts: TokenTexts | None = None
+        self._created = int(time.time())
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        arrival = time.perf_counter()  # NOTE: before the body is read: TTFT starts here.
+        try:
+            parsed = parse_chat(await self._read(request), self._limits())
+            self._check_model(parsed.model)
+            await self._ready()
+            rid = new_id("chatcmpl")
+            stream = self._start_chat(parsed.messages, parsed.params, rid, arrival)
+        except Exception as exc:
+            return _error_response(exc)
+        header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
+        fmt = ChatFormat(self.texts(), parsed.logprobs)
+        if parsed.stream:
+            return self._stream_response([stream], header, fmt, parsed.params.n, arrival)
+        return await self._whole_response(request, [stream], header, fmt, parsed.params.n, arrival)
+
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``; a list of prompts makes one engine request per prompt."""
+        arrival = time.perf_counter()  # NOTE: before the body is read: TTFT starts here.
+        try:
+            parsed = parse_completion(await self._read(request), self._limits())
+            self._check_model(parsed.model)
+            await self._ready()
+            rid = new_id("cmpl")
+            streams = await self._start_all(parsed.prompts, parsed.params, rid, arrival)
+            n = parsed.params.n
+            prompt_texts = self._prompt_texts(parsed.prompts, n) if parsed.echo else {}
+        except Exception as exc:
+            return _error_response(exc)
+        header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
+        fmt = CompletionFormat(self.texts(), parsed.logprobs is not None, parsed.echo, prompt_texts)
+        if parsed.stream:
+            return self._stream_response(streams, header, fmt, n, arrival)
+        return await self._whole_response(request, streams, header, fmt, n, arrival)
+
+    def _start_chat(
+        self, messages: list[dict[str, Any]], params: SamplingParams, rid: str, arrival: float
+    ) -> OutputStream:
+        """Hand a chat to the engine; a prompt error names ``messages`` (what the client sent)."""
+        try:
+            return self.engine.chat(messages, params, request_id=rid, arrival_time=arrival)
+        except RequestError as exc:
+            if exc.param != "prompt" or isinstance(exc, QueueFullError):
+                raise
+            raise bad_request(exc.message, "messages") from exc
+
+    async def _start_all(
+        self, prompts: Sequence[str | list[int]], params: SamplingParams, rid: str, arrival: float
+    ) -> list[OutputStream]:
+        """Hand every prompt to the engine; if one is refused, abort those already started."""
+        streams: list[OutputStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                streams.append(
+                    self.engine.stream(prompt, params, request_id=request_id, arrival_time=arrival)
+                )
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        return streams
+
+    def _stream_response(
+        self,
+        streams: list[OutputStream],
+        header: ResponseHeader,
+        fmt: ChoiceFormat,
+        n: int,
+        arrival: float,
+    ) -> Response:
+        tally = StreamTally(arrival)
+        plan = StreamPlan(
+            header, fmt, n, self.engine.metrics, tally, lambda t: log_streamed(header.id, t)
+        )
+        return EventStreamResponse(event_stream(streams, plan), ping_s=self.sse_ping_s)
+
+    async def _whole_response(
+        self,
+        request: Request,
+        streams: list[OutputStream],
+        header: ResponseHeader,
+        fmt: ChoiceFormat,
+        n: int,
+        arrival: float,
+    ) -> Response:
+        """Wait for every stream's final output, unless the client leaves first (then abort)."""
+        try:
+            finals = await finals_unless_disconnected(request.receive, streams)
+        except Exception as exc:
+            return _error_response(exc)
+        if finals is None:
+            logger.info("request %s: client disconnected, aborted", header.id)
+            return Response(status_code=499)
+        choices = [
+            fmt.whole(i * n + c.index, c) for i, final in enumerate(finals) for c in final.outputs
+        ]
+        prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
+        completion_tokens = sum(len(c.token_ids) for f in finals for c in f.outputs)
+        log_whole(header.id, finals, arrival)
+        body = header.response(
+            fmt.response_object, choices, usage(prompt_tokens, completion_tokens)
+        )
+        return JSONResponse(body)
+
+    # -- the rest --------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``: the one model this router serves."""
+        card: dict[str, Any] = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "inlinelm",
+        }
+        if self.engine.is_ready:
+            card["max_model_len"] = self.engine.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        """``GET /health``: 200 when the engine serves; 503 with the reason when dead, stuck or closed."""
+        ok, reason = self.engine.health()
+        if ok:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        """``GET /metrics``: Prometheus text from this router's own registry."""
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize``: ``{"prompt"}`` or ``{"messages"}`` → ``{"count", "max_model_len", "tokens"}``."""
+        try:
+            prompt, messages, add_special = parse_tokenize(await self._read(request))
+            await self._ready()
+            if messages is not None:
+                prompt = self.engine.render_chat(messages)
+            tokens = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special)
+        except Exception as exc:
+            return _error_response(exc)
+        return JSONResponse(
+            {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize``: ``{"tokens"}`` → ``{"prompt"}``."""
+        try:
+            tokens = parse_detokenize(await self._read(request))
+            await self._ready()
+            if tokens and max(tokens) >= len(self.engine.tokenizer):
+                raise bad_request("tokens holds an id outside the vocabulary", "tokens")
+            text = self.engine.tokenizer.decode(tokens)
+        except Exception as exc:
+            return _error_response(exc)
+        return JSONResponse({"prompt": text})
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def texts(self) -> TokenTexts:
+        """The token-text cache (made on first use: the tokenizer exists once started)."""
+        if self._texts is None:
+            self._texts = TokenTexts(self.engine.tokenizer)
+        return self._texts
+
+    async def _read(self, request: Request) -> Any:
+        return await read_json(request, self.max_request_bytes)
+
+    async def _ready(self) -> None:
+        """Start the engine if its owner has not (a 503 when it is closed or dead or stuck)."""
+        if not self.engine.is_ready:
+            await self.engine.start()
+        ok, reason = self.engine.health()
+        if not ok:
+            raise APIError(
+                503,
+                f"the engine cannot serve: {reason}",
+                type="server_error",
+                code="engine_unhealthy",
+            )
+
+    def _limits(self) -> Limits:
+        config = self.engine.config
+        return Limits(max_n=config.max_n, max_logprobs=config.max_logprobs)
+
+    def _check_model(self, model: str | None) -> None:
+        # NOTE: a missing model is the served one (curl users omit it); a wrong one is an error.
+        if model is not None and model != self.model_name:
+            raise bad_request(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                code="model_not_found",
+            )
+
+    def _prompt_texts(self, prompts: Sequence[str | list[int]], n: int) -> dict[int, str]:
+        """Choice index → its prompt as text (for ``echo``)."""
+        texts: dict[int, str] = {}
+        for i, prompt in enumerate(prompts):
+            text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
+            texts.update({i * n + j: text for j in range(n)})
+        return texts
+
+
+def _error_response(exc: BaseException) -> Response:
+    error = from_exception(exc)
+    if error.status >= 500 and not isinstance(exc, (APIError, EngineError, RequestFailedError)):
+        logger.exception("request failed", exc_info=exc)
+    return error.response()

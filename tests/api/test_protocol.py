@@ -1,0 +1,213 @@
+"""Request parsing without an engine: types, ranges, unsupported fields, the four prompt forms."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from inlinelm.api.errors import APIError
+from inlinelm.api.protocol import (
+    Limits,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
+from inlinelm.sampling_params import OutputKind
+
+LIMITS = Limits(max_n=4, max_logprobs=5)
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "default", "messages": USER, **fields}
+
+
+def refused(parse: Any, body: Any) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse(body, LIMITS)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_chat_maps_every_sampling_field() -> None:
+    body = chat(
+        n=2,
+        max_completion_tokens=7,
+        min_tokens=1,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        seed=3,
+        stop="x",
+        stop_token_ids=[5],
+        include_stop_str_in_output=True,
+        ignore_eos=True,
+        logprobs=True,
+        top_logprobs=2,
+        logit_bias={"17": -100},
+        skip_special_tokens=False,
+        stream=True,
+        stream_options={"include_usage": True},
+        user="me",
+    )
+    request = parse_chat(body, LIMITS)
+    p = request.params
+    assert (p.n, p.max_tokens, p.min_tokens, p.temperature, p.top_p, p.top_k) == (
+        2,
+        7,
+        1,
+        0.5,
+        0.9,
+        5,
+    )
+    assert (p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (
+        0.1,
+        0.5,
+        -0.5,
+        1.2,
+    )
+    assert (p.seed, p.stop, p.stop_token_ids, p.include_stop_str_in_output, p.ignore_eos) == (
+        3,
+        ["x"],
+        [5],
+        True,
+        True,
+    )
+    assert (p.logprobs, p.logit_bias, p.skip_special_tokens) == (2, {17: -100.0}, False)
+    assert p.output_kind is OutputKind.DELTA
+    assert request.stream and request.include_usage and request.logprobs and request.user == "me"
+
+
+def test_chat_defaults_run_to_the_context_end_and_want_the_final_output_only() -> None:
+    request = parse_chat(chat(), LIMITS)
+    assert request.params.max_tokens is None
+    assert request.params.logprobs is None
+    assert request.params.output_kind is OutputKind.FINAL_ONLY
+    assert not request.stream and not request.include_usage
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    assert parse_chat(chat(max_tokens=3, max_completion_tokens=9), LIMITS).params.max_tokens == 9
+    assert parse_chat(chat(max_tokens=3), LIMITS).params.max_tokens == 3
+
+
+def test_null_means_default() -> None:
+    request = parse_chat(chat(temperature=None, tools=None, n=None, stop=None), LIMITS)
+    assert request.params.temperature == 1.0 and request.params.n == 1
+
+
+def test_text_content_parts_are_joined() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    request = parse_chat({"messages": [{"role": "user", "content": parts}]}, LIMITS)
+    assert request.messages == [{"role": "user", "content": "a\nb"}]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": 101}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": True}, "n"),
+        ({"n": 5}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"stop": [1]}, "stop"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"1": 1000}}, "logit_bias"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{}]}, "functions"),
+        ({"temprature": 1}, "temprature"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0].type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]},
+            "messages[0].tool_calls",
+        ),
+    ],
+)
+def test_chat_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:
+    error = refused(parse_chat, chat(**fields))
+    assert error.param == param
+    assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted() -> None:
+    parse_chat(chat(tools=[], response_format={"type": "text"}, store=False), LIMITS)
+    parse_completion({"prompt": "x", "best_of": 1, "suffix": ""}, LIMITS)
+
+
+def test_a_body_that_is_not_an_object_is_refused() -> None:
+    assert refused(parse_chat, [1, 2]).param is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("hi", ["hi"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+    ],
+)
+def test_the_four_prompt_forms(prompt: Any, expected: list[Any]) -> None:
+    assert parse_completion({"prompt": prompt}, LIMITS).prompts == expected
+
+
+@pytest.mark.parametrize("prompt", [None, [], [[]], [1, "a"], [-1], [True], 3])
+def test_bad_prompts_are_refused(prompt: Any) -> None:
+    assert refused(parse_completion, {"prompt": prompt}).param == "prompt"
+
+
+def test_completion_defaults_and_fields() -> None:
+    request = parse_completion({"prompt": "x", "logprobs": 2, "max_tokens": 3}, LIMITS)
+    assert request.params.max_tokens == 3 and request.params.logprobs == 2 and request.logprobs == 2
+    assert parse_completion({"prompt": "x"}, LIMITS).params.max_tokens == 16
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"max_completion_tokens": 3}, "max_completion_tokens"),
+        ({"best_of": 2}, "best_of"),
+        ({"suffix": "x"}, "suffix"),
+    ],
+)
+def test_completion_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:
+    assert refused(parse_completion, {"prompt": "x", **fields}).param == param
+
+
+def test_tokenize_and_detokenize_bodies() -> None:
+    assert parse_tokenize({"prompt": "hi"}) == ("hi", None, True)
+    assert parse_tokenize({"messages": USER}) == (None, USER, False)
+    assert parse_detokenize({"tokens": [1, 2]}) == [1, 2]
+    for body in ({}, {"prompt": "a", "messages": USER}):
+        with pytest.raises(APIError):
+            parse_tokenize(body)
+    for bad in ({}, {"tokens": [-1]}, {"tokens": "x"}):
+        with pytest.raises(APIError):
+            parse_detokenize(bad)

@@ -1,0 +1,237 @@
+"""The SSE driver without an engine: frame order, silent steps, held logprobs, errors, closing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Generator
+from typing import Any
+
+import pytest
+from starlette.types import Message
+
+from inlinelm.api.formats import ChatFormat, CompletionFormat
+from inlinelm.api.responses import ResponseHeader, TokenTexts
+from inlinelm.api.sse import (
+    DONE,
+    EventStreamResponse,
+    StreamPlan,
+    StreamTally,
+    event_stream,
+    merge_streams,
+)
+from inlinelm.errors import SlowConsumerError
+from inlinelm.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inlinelm.sched.output import TokenLogprobs
+
+
+class FakeTokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+class FakeMetrics:
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+
+    def observe_http_ttft(self, seconds: float) -> None:
+        self.ttft.append(seconds)
+
+    def observe_http_itl(self, seconds: float) -> None:
+        self.itl.append(seconds)
+
+
+class FakeStream:
+    """Yields scripted outputs (an exception in the script is raised), counts aclose calls."""
+
+    def __init__(
+        self, script: list[RequestOutput | Exception], *, wait: asyncio.Event | None = None
+    ) -> None:
+        self.script = script
+        self.wait = wait
+        self.num_closed = 0
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        for item in self.script:
+            if self.wait is not None:
+                await self.wait.wait()
+            await asyncio.sleep(0)
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    def __await__(self) -> Generator[Any, None, RequestOutput]:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        self.num_closed += 1
+
+
+def out(*choices: CompletionOutput, prompt: int = 3) -> RequestOutput:
+    finished = all(c.finish_reason is not None for c in choices)
+    return RequestOutput("r", list(choices), finished, list(range(prompt)), RequestMetrics(0.0))
+
+
+def choice(
+    index: int, text: str, tokens: list[int], finish: str | None = None, logprobs: bool = False
+) -> CompletionOutput:
+    entries = [TokenLogprobs([t, t + 1], [-0.5, -1.5], 1) for t in tokens] if logprobs else None
+    return CompletionOutput(index, text, tokens, finish, None, entries)
+
+
+def plan(
+    fmt: Any, *, n: int = 1, usage: bool = False
+) -> tuple[StreamPlan, FakeMetrics, list[StreamTally]]:
+    metrics, done = FakeMetrics(), list[StreamTally]()
+    header = ResponseHeader("id-1", "m", created=7, include_usage=usage)
+    return StreamPlan(header, fmt, n, metrics, StreamTally(0.0), done.append), metrics, done
+
+
+def collect(streams: list[FakeStream], stream_plan: StreamPlan) -> list[Any]:
+    async def run() -> list[Any]:
+        return [f if f == DONE else json.loads(f) async for f in event_stream(streams, stream_plan)]
+
+    return asyncio.run(run())
+
+
+def chat_format(logprobs: bool = False) -> ChatFormat:
+    return ChatFormat(TokenTexts(FakeTokenizer()), logprobs)
+
+
+def test_chat_stream_shape_silent_steps_and_usage() -> None:
+    stream = FakeStream(
+        [out(choice(0, "He", [1])), out(choice(0, "", [2])), out(choice(0, "llo", [3], "stop"))]
+    )
+    stream_plan, metrics, done = plan(chat_format(), usage=True)
+    frames = collect([stream], stream_plan)
+    choices = [f["choices"] for f in frames[:-1]]
+    assert choices == [
+        [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+        [{"index": 0, "delta": {"content": "He"}, "logprobs": None, "finish_reason": None}],
+        [{"index": 0, "delta": {"content": "llo"}, "logprobs": None, "finish_reason": None}],
+        [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}],
+        [],
+    ]
+    assert all(f["usage"] is None for f in frames[:-2])
+    assert frames[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert frames[-1] == DONE
+    assert {f["object"] for f in frames[:-1]} == {"chat.completion.chunk"}
+    assert stream.num_closed == 1 and len(done) == 1 and done[0].finish_reasons == {0: "stop"}
+    assert len(metrics.ttft) == 1 and len(metrics.itl) == 1
+
+
+def test_logprobs_of_held_back_tokens_travel_with_their_text() -> None:
+    stream = FakeStream(
+        [
+            out(choice(0, "", [1], logprobs=True)),
+            out(choice(0, "ab", [2], logprobs=True)),
+            out(choice(0, "", [3], "stop", logprobs=True)),
+        ]
+    )
+    stream_plan, _, _ = plan(chat_format(logprobs=True))
+    frames = collect([stream], stream_plan)
+    content = frames[1]["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["<1>", "<2>"]
+    assert content[0]["top_logprobs"] == [{"token": "<2>", "logprob": -1.5, "bytes": list(b"<2>")}]
+    finish = frames[2]["choices"][0]
+    assert finish["delta"] == {} and [c["token"] for c in finish["logprobs"]["content"]] == ["<3>"]
+
+
+def test_an_error_after_the_start_becomes_an_error_frame_then_done() -> None:
+    stream = FakeStream([out(choice(0, "a", [1])), SlowConsumerError("too slow")])
+    stream_plan, _, done = plan(chat_format())
+    frames = collect([stream], stream_plan)
+    assert frames[-2] == {
+        "error": {
+            "message": "too slow",
+            "type": "server_error",
+            "param": None,
+            "code": "slow_consumer",
+        }
+    }
+    assert frames[-1] == DONE
+    assert stream.num_closed == 1 and done[0].error == "slow_consumer"
+
+
+def test_completions_index_choices_per_prompt_and_echo() -> None:
+    texts = TokenTexts(FakeTokenizer())
+    fmt = CompletionFormat(texts, True, True, {0: "P0", 1: "P0", 2: "P1", 3: "P1"})
+    first = FakeStream(
+        [out(choice(1, "x", [5], "length", logprobs=True)), out(choice(0, "y", [6], "stop"))]
+    )
+    second = FakeStream([out(choice(0, "z", [7], "stop"), choice(1, "w", [8], "stop"))])
+    stream_plan, _, _ = plan(fmt, n=2)
+    frames = collect([first, second], stream_plan)
+    by_index: dict[int, list[dict[str, Any]]] = {}
+    for frame in frames[:-1]:
+        (c,) = frame["choices"]
+        by_index.setdefault(c["index"], []).append(c)
+    assert [c["text"] for c in by_index[0]] == ["P0", "y", ""]
+    assert [c["text"] for c in by_index[3]] == ["P1", "w", ""]
+    assert by_index[1][1]["logprobs"] == {
+        "tokens": ["<5>"],
+        "token_logprobs": [-0.5],
+        "top_logprobs": [{"<6>": -1.5, "<5>": -0.5}],
+        "text_offset": [0],
+    }
+    assert [c["finish_reason"] for c in by_index[1]] == [None, None, "length"]
+    assert first.num_closed == second.num_closed == 1
+
+
+def test_merge_streams_cancels_pending_reads_when_closed() -> None:
+    async def run() -> None:
+        blocked = FakeStream([out(choice(0, "x", [1]))], wait=asyncio.Event())
+        ready = FakeStream([out(choice(0, "y", [2]))])
+        merged = merge_streams([blocked, ready])
+        assert (await anext(merged))[0] == 1
+        await merged.aclose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("how", ["send fails", "client leaves during a send"])
+def test_event_stream_response_closes_its_generator_when_the_response_ends(how: str) -> None:
+    """Whatever ends the response, the generator's ``finally`` (the abort) has run on return."""
+    finalized: list[str] = []
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            while True:
+                yield "x"
+        finally:
+            finalized.append("closed")
+
+    async def run() -> None:
+        sent: list[Message] = []
+        leave = asyncio.Event()
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+            if len(sent) == 3:
+                if how == "send fails":
+                    raise OSError("broken pipe")
+                leave.set()
+                await asyncio.Event().wait()
+
+        async def receive() -> Message:
+            await leave.wait()
+            return {"type": "http.disconnect"}
+
+        response = EventStreamResponse(events(), ping_s=0)
+        with contextlib.suppress(OSError):
+            await response({"type": "http", "method": "POST", "headers": []}, receive, send)
+        assert finalized == ["closed"]
+
+    asyncio.run(run())

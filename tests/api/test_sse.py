@@ -120,8 +120,7 @@ def test_chat_stream_shape_silent_steps_and_usage() -> None:
             }
         ],
         [{"index": 0, "delta": {"content": "He"}, "logprobs": None, "finish_reason": None}],
-        [{"index": 0, "delta": {"content": "llo"}, "logprobs": None, "finish_reason": None}],
-        [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}],
+        [{"index": 0, "delta": {"content": "llo"}, "logprobs": None, "finish_reason": "stop"}],
         [],
     ]
     assert all(f["usage"] is None for f in frames[:-2])
@@ -178,15 +177,15 @@ def test_completions_index_choices_per_prompt_and_echo() -> None:
     for frame in frames[:-1]:
         (c,) = frame["choices"]
         by_index.setdefault(c["index"], []).append(c)
-    assert [c["text"] for c in by_index[0]] == ["P0", "y", ""]
-    assert [c["text"] for c in by_index[3]] == ["P1", "w", ""]
+    assert [c["text"] for c in by_index[0]] == ["P0", "y"]
+    assert [c["text"] for c in by_index[3]] == ["P1", "w"]
     assert by_index[1][1]["logprobs"] == {
         "tokens": ["<5>"],
         "token_logprobs": [-0.5],
         "top_logprobs": [{"<6>": -1.5, "<5>": -0.5}],
         "text_offset": [0],
     }
-    assert [c["finish_reason"] for c in by_index[1]] == [None, None, "length"]
+    assert [c["finish_reason"] for c in by_index[1]] == [None, "length"]
     assert first.num_closed == second.num_closed == 1
 
 

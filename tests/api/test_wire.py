@@ -79,7 +79,7 @@ def _join(previous: Any, current: Any) -> Any:
     if previous is None or len(previous["choices"]) != 1:
         return None
     (a,), (b,) = previous["choices"], current["choices"]
-    if a["index"] != b["index"] or a["finish_reason"] is not None or b["finish_reason"] is not None:
+    if a["index"] != b["index"] or a["finish_reason"] is not None:
         return None
     if "delta" in a:
         if set(a["delta"]) != {"content"} or set(b["delta"]) != {"content"}:
@@ -87,6 +87,7 @@ def _join(previous: Any, current: Any) -> Any:
         a["delta"]["content"] += b["delta"]["content"]
     else:
         a["text"] += b["text"]
+    a["finish_reason"] = b["finish_reason"]
     return previous
 
 
@@ -142,11 +143,12 @@ def test_streamed_text_equals_the_whole_response_for_each_of_n_choices(base_url:
     assert sorted(finishes) == sorted((c["index"], c["finish_reason"]) for c in whole["choices"])
     roles = [c["index"] for f in frames for c in f["choices"] if "role" in c["delta"]]
     assert sorted(roles) == [0, 1]
+    last_of_choice = {c["index"]: c for f in frames for c in f["choices"]}
     for frame in frames:
         for c in frame["choices"]:
             assert c["delta"] != {"content": ""}, "no empty content chunk"
-            assert c["finish_reason"] is None or c["delta"] == {}, (
-                "the finish chunk has an empty delta"
+            assert c["finish_reason"] is None or c is last_of_choice[c["index"]], (
+                "the finish_reason rides on the choice's last chunk"
             )
 
 

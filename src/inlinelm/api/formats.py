@@ -32,13 +32,16 @@ class ChoiceFormat(Protocol):
     def opening(self, index: int) -> dict[str, Any] | None:
         """The first chunk's choice for ``index`` (chat: the role), or None for none."""
 
-    def delta(self, index: int, text: str, logprobs: list[TokenLogprobs] | None) -> dict[str, Any]:
-        """A chunk choice with new text (never empty) and its tokens' logprobs."""
+    def delta(
+        self, index: int, text: str, logprobs: list[TokenLogprobs] | None, reason: str | None = None
+    ) -> dict[str, Any]:
+        """A chunk choice with new text (never empty), its tokens' logprobs, and the
+        ``finish_reason`` when this is the choice's last text."""
 
     def finish(
         self, index: int, reason: str, logprobs: list[TokenLogprobs] | None
     ) -> dict[str, Any]:
-        """The closing chunk choice: no new text, the real ``finish_reason``."""
+        """The closing chunk choice when the last step released no text: the ``finish_reason``."""
 
     def whole(self, index: int, output: CompletionOutput) -> dict[str, Any]:
         """A choice of the whole response, from the choice's final output."""
@@ -56,14 +59,16 @@ class ChatFormat:
     def opening(self, index: int) -> dict[str, Any] | None:
         return chat_delta_choice(index, {"role": "assistant", "content": ""})
 
-    def delta(self, index: int, text: str, logprobs: list[TokenLogprobs] | None) -> dict[str, Any]:
-        return chat_delta_choice(index, {"content": text}, None, self._logprobs(logprobs))
+    def delta(
+        self, index: int, text: str, logprobs: list[TokenLogprobs] | None, reason: str | None = None
+    ) -> dict[str, Any]:
+        return chat_delta_choice(index, {"content": text}, reason, self._logprobs(logprobs))
 
     def finish(
         self, index: int, reason: str, logprobs: list[TokenLogprobs] | None
     ) -> dict[str, Any]:
-        # NOTE: OpenAI's closing chunk has an empty delta; logprobs of tokens whose text
-        # was never released (held back, then dropped) still reach the client here.
+        # NOTE: only when the finishing step released no text; logprobs of tokens whose
+        # text was never released (held back, then dropped) still reach the client here.
         return chat_delta_choice(index, {}, reason, self._logprobs(logprobs) if logprobs else None)
 
     def whole(self, index: int, output: CompletionOutput) -> dict[str, Any]:
@@ -98,8 +103,10 @@ class CompletionFormat:
             return None
         return completion_choice(index, self.prompt_texts[index], None, None)
 
-    def delta(self, index: int, text: str, logprobs: list[TokenLogprobs] | None) -> dict[str, Any]:
-        return completion_choice(index, text, None, self._logprobs(index, logprobs))
+    def delta(
+        self, index: int, text: str, logprobs: list[TokenLogprobs] | None, reason: str | None = None
+    ) -> dict[str, Any]:
+        return completion_choice(index, text, reason, self._logprobs(index, logprobs))
 
     def finish(
         self, index: int, reason: str, logprobs: list[TokenLogprobs] | None

@@ -167,28 +167,17 @@ def _step_frames(
         index = base + choice.index
         plan.tally.completion_tokens += len(choice.token_ids)
         logprobs = held.pop(index, []) + (choice.logprobs or [])
+        reason = choice.finish_reason
+        if reason is not None:
+            plan.tally.finish_reasons[index] = reason
         if choice.text:
-            frames.append(
-                (
-                    encode(
-                        header.chunk(fmt.chunk_object, [fmt.delta(index, choice.text, logprobs)])
-                    ),
-                    True,
-                )
-            )
+            # NOTE: the last content chunk carries the real finish_reason itself.
+            delta = fmt.delta(index, choice.text, logprobs, reason)
+            frames.append((encode(header.chunk(fmt.chunk_object, [delta])), True))
             logprobs = []
-        if choice.finish_reason is not None:
-            plan.tally.finish_reasons[index] = choice.finish_reason
-            frames.append(
-                (
-                    encode(
-                        header.chunk(
-                            fmt.chunk_object, [fmt.finish(index, choice.finish_reason, logprobs)]
-                        )
-                    ),
-                    False,
-                )
-            )
+        elif reason is not None:
+            closing = fmt.finish(index, reason, logprobs)
+            frames.append((encode(header.chunk(fmt.chunk_object, [closing])), False))
         elif logprobs:
             held[index] = logprobs
     return frames

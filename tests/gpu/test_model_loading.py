@@ -16,7 +16,7 @@ from inlinelm.gpu import model_files
 from inlinelm.gpu.model_config import ModelConfig
 from inlinelm.gpu.model_files import resolve_model
 from tests.conftest import make_tiny_model
-from tests.gpu.test_llama import _load, _prefill_logits, _reference
+from tests.gpu.reference import load_ours, load_reference, prefill_logits
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "qwen2-bias-untied": {"model_type": "qwen2", "tie_word_embeddings": False},
@@ -43,8 +43,10 @@ def test_variants_match_transformers(
         "A longer prompt so that positions pass the original context of sixty-four tokens. " * 3
     ).input_ids
     with torch.inference_mode():
-        expected = _reference(folder)(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(_prefill_logits(_load(folder), ids), expected, rtol=1e-4, atol=1e-4)
+        expected = load_reference(folder)(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(
+        prefill_logits(load_ours(folder), ids), expected, rtol=1e-4, atol=1e-4
+    )
 
 
 def test_qwen2_reads_attention_bias(tmp_path: Path, default_model_dir: Path) -> None:
@@ -87,7 +89,7 @@ def _edit_config(folder: Path, **changes: Any) -> None:
 def test_unknown_architecture(tiny_copy: Path) -> None:
     _edit_config(tiny_copy, model_type="gpt2")
     with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gpt2'.*field: model_type"):
-        _load(tiny_copy)
+        load_ours(tiny_copy)
 
 
 def test_unsupported_rope_scaling(tiny_copy: Path) -> None:
@@ -95,7 +97,7 @@ def test_unsupported_rope_scaling(tiny_copy: Path) -> None:
         tiny_copy, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
     )
     with pytest.raises(ModelLoadError, match="unsupported RoPE scaling type 'yarn'"):
-        _load(tiny_copy)
+        load_ours(tiny_copy)
 
 
 def test_missing_weight_files(tiny_copy: Path) -> None:
@@ -110,7 +112,7 @@ def test_truncated_weight_file(tiny_copy: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError, match=f"truncated.*file: {path}"):
-        _load(tiny_copy)
+        load_ours(tiny_copy)
 
 
 def _rewrite_weights(folder: Path, name: str, tensor: torch.Tensor) -> Path:
@@ -125,14 +127,14 @@ def test_shape_mismatch_names_file_and_tensor(tiny_copy: Path) -> None:
     name = "model.layers.1.self_attn.k_proj.weight"
     path = _rewrite_weights(tiny_copy, name, torch.zeros(3, 3))
     with pytest.raises(ModelLoadError, match=rf"shape mismatch.*file: {path}.*field: {name}"):
-        _load(tiny_copy)
+        load_ours(tiny_copy)
 
 
 def test_non_float_weights_are_refused(tiny_copy: Path) -> None:
     name = "model.norm.weight"
     _rewrite_weights(tiny_copy, name, torch.zeros(64, dtype=torch.int8))
     with pytest.raises(ModelLoadError, match=rf"unsupported weight dtype.*field: {name}"):
-        _load(tiny_copy)
+        load_ours(tiny_copy)
 
 
 def test_missing_tensor_is_named(tiny_copy: Path) -> None:
@@ -143,7 +145,7 @@ def test_missing_tensor_is_named(tiny_copy: Path) -> None:
     with pytest.raises(
         ModelLoadError, match=r"missing, first: layers.0.mlp.gate_up_proj.weight\[up\]"
     ):
-        _load(tiny_copy)
+        load_ours(tiny_copy)
 
 
 def test_bad_gguf_file(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ from inlinelm.gpu.model_runner import ModelRunner
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.request import Request
 from inlinelm.sched.scheduler import Scheduler
-from tests.gpu.test_llama import PROMPTS, _reference, _reference_greedy
+from tests.gpu.conftest import GreedyReference
+from tests.gpu.reference import PROMPTS
 
 MAX_NEW = 24
 
@@ -37,14 +38,6 @@ def _requests(tokenizer: Any, tag: str) -> list[Request]:
     return [Request(f"{tag}-{i}", tokenizer(p).input_ids, params, 2) for i, p in enumerate(PROMPTS)]
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_model_dir: Path, tokenizer: Any) -> dict[int, list[int]]:
-    ref = _reference(tiny_model_dir)
-    return {
-        i: _reference_greedy(ref, tokenizer(p).input_ids, MAX_NEW) for i, p in enumerate(PROMPTS)
-    }
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -56,20 +49,17 @@ def expected(tiny_model_dir: Path, tokenizer: Any) -> dict[int, list[int]]:
     ids=["one-shot", "chunks-of-7", "chunks-and-seq-cap", "preemption"],
 )
 def test_greedy_equals_transformers(
-    options: dict[str, Any], tiny_model_dir: Path, tokenizer: Any, expected: dict[int, list[int]]
+    options: dict[str, Any], tiny_model_dir: Path, tokenizer: Any, greedy_reference: GreedyReference
 ) -> None:
+    want = [tokens[:MAX_NEW] for tokens in greedy_reference(tiny_model_dir)]
     config = EngineConfig(model=str(tiny_model_dir), **{"num_kv_blocks": 256, **options})
     runner = ModelRunner(config, tiny_model_dir)
     scheduler = Scheduler(config, runner.num_kv_blocks, 2)
     got = run_to_completion(runner, scheduler, _requests(tokenizer, "a"))
-    assert [got[f"a-{i}"] for i in range(len(PROMPTS))] == [
-        expected[i] for i in range(len(PROMPTS))
-    ]
+    assert [got[f"a-{i}"] for i in range(len(PROMPTS))] == want
     # A second round hits the prefix cache for every full prompt block.
     again = run_to_completion(runner, scheduler, _requests(tokenizer, "b"))
-    assert [again[f"b-{i}"] for i in range(len(PROMPTS))] == [
-        expected[i] for i in range(len(PROMPTS))
-    ]
+    assert [again[f"b-{i}"] for i in range(len(PROMPTS))] == want
     assert scheduler.num_free_blocks == runner.num_kv_blocks
 
 
@@ -86,14 +76,29 @@ def test_prefix_cache_is_hit(tiny_model_dir: Path, tokenizer: Any) -> None:
     assert second_req.num_cached_tokens >= 32
 
 
-def test_default_model_batched_greedy(default_model_dir: Path, tokenizer: Any) -> None:
-    config = EngineConfig(max_num_batched_tokens=7, num_kv_blocks=128)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_num_batched_tokens": 2048},
+        {"max_num_batched_tokens": 7},
+        {"num_kv_blocks": 9, "max_num_batched_tokens": 32},
+    ],
+    ids=["one-shot", "chunks-of-7", "preemption"],
+)
+def test_default_model_greedy_equals_transformers(
+    options: dict[str, Any],
+    default_model_dir: Path,
+    tokenizer: Any,
+    greedy_reference: GreedyReference,
+) -> None:
+    config = EngineConfig(**{"num_kv_blocks": 128, **options})
     runner = ModelRunner(config, default_model_dir)
     scheduler = Scheduler(config, runner.num_kv_blocks, 2)
-    ref = _reference(default_model_dir)
+    want = [tokens[:MAX_NEW] for tokens in greedy_reference(default_model_dir)]
     got = run_to_completion(runner, scheduler, _requests(tokenizer, "d"))
-    for i, p in enumerate(PROMPTS):
-        assert got[f"d-{i}"] == _reference_greedy(ref, tokenizer(p).input_ids, MAX_NEW)
+    assert [got[f"d-{i}"] for i in range(len(PROMPTS))] == want
+    again = run_to_completion(runner, scheduler, _requests(tokenizer, "e"))  # prefix-cache hits
+    assert [again[f"e-{i}"] for i in range(len(PROMPTS))] == want
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(tiny_model_dir: Path, tokenizer: Any) -> None:

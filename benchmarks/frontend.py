@@ -1,0 +1,568 @@
+"""Event-loop cost per streamed token: output handler → OutputProcessor → collectors → SSE.
+
+B streaming chat requests (B = 32, 128, 256 by default) are registered through the real
+runtime pieces of an echo ``Engine`` (its ``LoopBridge``, ``OutputProcessor``, the
+``RequestState``/``ParentRequest`` that ``Engine._make_states`` builds, with the real
+incremental detokenizers and collectors) and read by one consumer task per request that runs
+the router's SSE driver (``inlinelm.api.sse.event_stream``: ``chat.completion.chunk`` dicts
+and their JSON) and turns each frame into SSE bytes as sse-starlette does (no socket).
+A thread plays the engine thread: for T steps it builds one ``EngineCoreOutputs`` with one
+token per request (ids cycled from a chat answer with markdown, code, emoji and CJK) and
+hands it to the engine's own sink, ``_post_outputs(dispatcher, heartbeat, batch)``; it posts
+step k+1 once the loop has handled step k and every consumer has run, so no step coalesces.
+
+Reported, in µs per token per request (median of ``--repeats`` runs):
+
+* ``total``: CPU time of the event-loop thread (``time.thread_time``) over the run, divided
+  by B x T: everything the loop does, including its wake-ups, and nothing it waits for.
+* ``wall``: wall time from the first post to the last consumer's end, divided by B x T
+  (adds the poster thread's hand-off once per step).
+* per stage, from separate runs with timers wrapped around each piece (the timers add
+  some cost, so the instrumented total is also given); ``loop_wakeups`` is what is left:
+  the loop's selector and self-pipe, task switches, the handler's drain and slicing.
+* floors measured in the same run: a bare ``DecodeStream.step``, a bare JSON encode of a
+  chunk, one asyncio wake-up of a task waiting on an ``asyncio.Event``.
+
+Every run checks that each stream's text (joined from its SSE frames) equals a one-shot
+``tokenizer.decode`` of its ids. Without and with stop strings (which never match but
+share prefixes with the text, so hold-back works). Prints tables, writes ``--json PATH``
+and benchmarks/results/frontend.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import gc
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sse_starlette.event import ensure_bytes
+from tokenizers.decoders import DecodeStream
+
+import inlinelm.api.sse as sse
+from _common import (
+    STOPS,
+    answer_ids,
+    chat_messages,
+    load_average,
+    median,
+    pyplot,
+    save_plot,
+    write_json,
+)
+from inlinelm.api.formats import ChatFormat
+from inlinelm.api.responses import ResponseHeader, TokenTexts, new_id
+from inlinelm.runtime import engine as engine_module
+from inlinelm.runtime.collector import RequestOutputCollector
+from inlinelm.runtime.engine import Engine
+from inlinelm.runtime.stream import RequestStream
+from inlinelm.sampling_params import SamplingParams
+from inlinelm.sched.output import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+TARGET_US = 6.0
+STAGES = (
+    "detokenize",
+    "release_text",
+    "output_and_put",
+    "process_other",
+    "stream_iter",
+    "chunk_build",
+    "json_encode",
+    "sse_bytes",
+    "loop_wakeups",
+)
+STAGE_HELP = {
+    "detokenize": "detokenizer.update (DecodeStream step, stop-string search)",
+    "release_text": "detokenizer.next_output_text (hold-back)",
+    "output_and_put": "CompletionOutput + RequestOutput + collector.put",
+    "process_other": "rest of process_outputs (state lookup, timing, finish)",
+    "stream_iter": "consumer: collector get, RequestStream + event_stream generators, tally",
+    "chunk_build": "chat.completion.chunk dicts (_step_frames minus encode)",
+    "json_encode": "api.sse.encode (json.dumps)",
+    "sse_bytes": "sse-starlette ensure_bytes (data: ...\\n\\n)",
+    "loop_wakeups": "the rest: selector, self-pipe, task switches, handler drain",
+}
+
+
+# -- timers for the instrumented runs ------------------------------------------------------
+
+
+@dataclass
+class Timers:
+    """Seconds spent in each wrapped piece, summed over a run."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    consumer_resumed: dict[int, float] = field(default_factory=dict)
+
+    def add(self, name: str, value: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + value
+
+
+def _timed(timers: Timers, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    clock = time.perf_counter
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            timers.add(name, clock() - start)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def instrumented(timers: Timers | None) -> Iterator[None]:
+    """Wrap the module- and class-level pieces (collector, SSE driver) for one run."""
+    if timers is None:
+        yield
+        return
+    saved_get = RequestOutputCollector.get
+    saved_step_frames, saved_encode = sse._step_frames, sse.encode
+    clock = time.perf_counter
+
+    async def get(self: RequestOutputCollector) -> Any:
+        # The consumer is about to wait: what it did since its last output is its body.
+        now = clock()
+        resumed = timers.consumer_resumed.get(id(self))
+        if resumed is not None:
+            timers.add("consumer_body", now - resumed)
+        out = await saved_get(self)
+        timers.consumer_resumed[id(self)] = clock()
+        return out
+
+    RequestOutputCollector.get = get  # type: ignore[method-assign]
+    sse._step_frames = _timed(timers, "step_frames", saved_step_frames)
+    sse.encode = _timed(timers, "json_encode", saved_encode)
+    try:
+        yield
+    finally:
+        RequestOutputCollector.get = saved_get  # type: ignore[method-assign]
+        sse._step_frames, sse.encode = saved_step_frames, saved_encode
+
+
+def stages_from(timers: Timers, total_s: float, tokens: int) -> dict[str, float]:
+    s = timers.seconds
+    update, release = s.get("update", 0.0), s.get("release", 0.0)
+    emit, process = s.get("emit", 0.0), s.get("process_outputs", 0.0)
+    step_frames, encode = s.get("step_frames", 0.0), s.get("json_encode", 0.0)
+    sse_bytes, body = s.get("sse_bytes", 0.0), s.get("consumer_body", 0.0)
+    parts = {
+        "detokenize": update,
+        "release_text": release,
+        "output_and_put": emit - release,
+        "process_other": process - update - emit,
+        "stream_iter": body - step_frames - sse_bytes,
+        "chunk_build": step_frames - encode,
+        "json_encode": encode,
+        "sse_bytes": sse_bytes,
+    }
+    parts["loop_wakeups"] = total_s - sum(parts.values())
+    return {k: v / tokens * 1e6 for k, v in parts.items()}
+
+
+# -- one run -------------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    engine: Engine
+    loaded: Any
+    bridge: Any
+    tokenizer: Any
+    prompts: list[list[int]]
+    ids: list[list[int]]
+    texts: TokenTexts
+    done: threading.Event
+    run_index: int = 0
+
+
+def _never_submit() -> Any:
+    raise AssertionError("the benchmark registers its requests itself")
+
+
+async def run_once(
+    setup: Setup, batch: int, steps: int, *, stop: bool, timers: Timers | None
+) -> dict[str, float]:
+    """One run: register ``batch`` requests, post ``steps`` steps, return timings (seconds)."""
+    engine, loaded, bridge = setup.engine, setup.loaded, setup.bridge
+    setup.run_index += 1
+    params = SamplingParams(max_tokens=steps, stop=list(STOPS) if stop else [])
+    rids, streams, frames = [], [], []
+    for i in range(batch):
+        rid = f"bench{setup.run_index}-{i}"
+        prompt = setup.prompts[i % len(setup.prompts)]
+        parent, children = engine._make_states(loaded, rid, prompt, params, time.perf_counter())
+        bridge.processor.add(parent, children)
+        if timers is not None:
+            for child in children:
+                d = child.detokenizer
+                d.update = _timed(timers, "update", d.update)
+                d.next_output_text = _timed(timers, "release", d.next_output_text)
+        stream = RequestStream(
+            rid, _never_submit, functools.partial(engine._abort, rid), delta=True
+        )
+        stream._attach(parent.collector)
+        rids.append(rid)
+        streams.append(stream)
+        frames.append([])
+    # The engine's batches, built before the clock starts (the engine builds them with the GIL
+    # released between steps); step k+1 is posted once the loop has handled step k.
+    ids = setup.ids
+    batches = [
+        [
+            EngineCoreOutput(
+                rids[i],
+                [ids[i][k]],
+                FinishReason.LENGTH if k == steps - 1 else None,
+            )
+            for i in range(batch)
+        ]
+        for k in range(steps)
+    ]
+    sink = functools.partial(engine_module._post_outputs, engine._dispatcher, engine._heartbeat)
+    done = setup.done
+    done.clear()
+    tally_metrics = engine.metrics
+
+    async def consume(index: int) -> None:
+        header = ResponseHeader(new_id("chatcmpl"), "default")
+        plan = sse.StreamPlan(
+            header,
+            ChatFormat(setup.texts, False),
+            1,
+            tally_metrics,
+            sse.StreamTally(time.perf_counter()),
+            lambda tally: None,
+        )
+        out = frames[index]
+        if timers is None:
+            async for data in sse.event_stream([streams[index]], plan):
+                out.append(ensure_bytes(data, "\n"))
+        else:
+            clock = time.perf_counter
+            async for data in sse.event_stream([streams[index]], plan):
+                start = clock()
+                out.append(ensure_bytes(data, "\n"))
+                timers.add("sse_bytes", clock() - start)
+
+    def post_all() -> None:
+        for k, outputs in enumerate(batches):
+            start = time.perf_counter()
+            sink(
+                EngineCoreOutputs(
+                    outputs,
+                    step_index=k,
+                    step_start=start,
+                    step_end=time.perf_counter(),
+                    num_running=batch,
+                )
+            )
+            done.wait()
+            done.clear()
+
+    processor = bridge.processor
+    saved_process, saved_emit = processor.process_outputs, processor._emit
+    if timers is not None:
+        processor.process_outputs = _timed(timers, "process_outputs", saved_process)
+        processor._emit = _timed(timers, "emit", saved_emit)
+    gc.collect()
+    try:
+        with instrumented(timers):
+            tasks = [asyncio.ensure_future(consume(i)) for i in range(batch)]
+            for _ in range(3):  # every consumer sends its opening chunk and waits
+                await asyncio.sleep(0)
+            poster = threading.Thread(target=post_all, name="fake-engine")
+            cpu0, wall0 = time.thread_time(), time.perf_counter()
+            poster.start()
+            await asyncio.gather(*tasks)
+            cpu1, wall1 = time.thread_time(), time.perf_counter()
+            poster.join()
+    finally:
+        processor.process_outputs, processor._emit = saved_process, saved_emit
+    check_texts(setup, frames, batch, steps)
+    return {"cpu_s": cpu1 - cpu0, "wall_s": wall1 - wall0}
+
+
+def check_texts(setup: Setup, frames: list[list[bytes]], batch: int, steps: int) -> None:
+    """Each stream's text, joined from its SSE frames, must equal a one-shot decode."""
+    for i in range(batch):
+        text, finish = [], None
+        for frame in frames[i]:
+            data = frame.decode("utf-8").removeprefix("data: ").rstrip("\n")
+            if data == "[DONE]":
+                continue
+            choice = json.loads(data)["choices"][0]
+            text.append(choice["delta"].get("content") or "")
+            finish = choice["finish_reason"] or finish
+        expected = setup.tokenizer.decode(setup.ids[i][:steps], skip_special_tokens=True)
+        got = "".join(text)
+        assert got == expected, f"stream {i}: text differs from decode(ids)\n{got!r}\n{expected!r}"
+        assert finish == "length", f"stream {i}: finish_reason {finish!r}"
+        assert frames[i][-1] == b"data: [DONE]\n\n", f"stream {i}: no [DONE]"
+
+
+# -- floors --------------------------------------------------------------------------------
+
+
+def floor_decode_stream(setup: Setup, batch: int, steps: int) -> float:
+    """µs per bare ``DecodeStream.step``, primed like the fast detokenizer."""
+    backend = setup.tokenizer.backend_tokenizer
+    streams = [
+        DecodeStream(ids=setup.prompts[i % len(setup.prompts)][-4:], skip_special_tokens=True)
+        for i in range(batch)
+    ]
+    ids = setup.ids
+    start = time.thread_time()
+    for k in range(steps):
+        for i, stream in enumerate(streams):
+            stream.step(backend, ids[i][k])
+    return (time.thread_time() - start) / (batch * steps) * 1e6
+
+
+def floor_json(setup: Setup, batch: int, steps: int, *, router: bool = False) -> float:
+    """µs per bare JSON encode of one ``chat.completion.chunk``.
+
+    The floor is a prepared ``json.JSONEncoder`` with the router's options (same bytes out);
+    with ``router`` it is the router's own ``encode`` (``json.dumps`` with options).
+    """
+    header = ResponseHeader(new_id("chatcmpl"), "default")
+    fmt = ChatFormat(setup.texts, False)
+    pieces = [setup.tokenizer.decode([t]) for t in setup.ids[0][:steps]]
+    chunks = [header.chunk(fmt.chunk_object, [fmt.delta(0, p or " ", None)]) for p in pieces]
+    prepared = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+    encode = sse.encode if router else prepared
+    assert encode(chunks[0]) == sse.encode(chunks[0])
+    rounds = batch
+    start = time.thread_time()
+    for _ in range(rounds):
+        for chunk in chunks:
+            encode(chunk)
+    return (time.thread_time() - start) / (rounds * len(chunks)) * 1e6
+
+
+async def floor_wakeup(batch: int, steps: int) -> float:
+    """µs per wake-up of a task waiting on an ``asyncio.Event`` (set, switch in, wait again)."""
+    events = [asyncio.Event() for _ in range(batch)]
+
+    async def waiter(event: asyncio.Event) -> None:
+        while True:
+            await event.wait()
+            event.clear()
+
+    tasks = [asyncio.ensure_future(waiter(e)) for e in events]
+    await asyncio.sleep(0)
+    start = time.thread_time()
+    for _ in range(steps):
+        for event in events:
+            event.set()
+        await asyncio.sleep(0)
+    elapsed = time.thread_time() - start
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return elapsed / (batch * steps) * 1e6
+
+
+# -- driver --------------------------------------------------------------------------------
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    engine = Engine(model=args.model, runner="echo")
+    await engine.start()
+    try:
+        loaded = engine._loaded
+        loop = asyncio.get_running_loop()
+        bridge = engine._dispatcher.bridge_for(loop, lambda: engine._make_bridge(loop))
+        tokenizer = engine.tokenizer
+        prompts = [
+            tokenizer.encode(engine.render_chat(chat_messages(i)), add_special_tokens=False)
+            for i in range(16)
+        ]
+        setup = Setup(
+            engine,
+            loaded,
+            bridge,
+            tokenizer,
+            prompts,
+            answer_ids(tokenizer, max(args.batch), args.steps),
+            TokenTexts(tokenizer),
+            threading.Event(),
+        )
+        done = setup.done
+        saved_handle = bridge._handle
+
+        async def handle(batch: EngineCoreOutputs) -> None:
+            await saved_handle(batch)
+            loop.call_soon(done.set)  # after the consumers this step woke
+
+        bridge._handle = handle
+        steps = args.steps
+        await run_once(setup, 8, 16, stop=True, timers=None)  # warm-up
+        raw: dict[tuple[int, bool], dict[str, list[Any]]] = {}
+        for _ in range(args.repeats):
+            for b in args.batch:
+                for stop in (False, True):
+                    r = raw.setdefault((b, stop), {"cpu": [], "wall": [], "stages": []})
+                    t = await run_once(setup, b, steps, stop=stop, timers=None)
+                    r["cpu"].append(t["cpu_s"] / (b * steps) * 1e6)
+                    r["wall"].append(t["wall_s"] / (b * steps) * 1e6)
+        for _ in range(args.instrumented_repeats):
+            for b in args.batch:
+                for stop in (False, True):
+                    timers = Timers()
+                    t = await run_once(setup, b, steps, stop=stop, timers=timers)
+                    raw[(b, stop)]["stages"].append(
+                        {
+                            "instrumented_total": t["cpu_s"] / (b * steps) * 1e6,
+                            **stages_from(timers, t["cpu_s"], b * steps),
+                        }
+                    )
+        floors_runs: dict[str, list[float]] = {"decode_stream": [], "json_encode": [], "wakeup": []}
+        router_encode: list[float] = []
+        fb = max(args.batch)
+        for _ in range(args.repeats):
+            floors_runs["decode_stream"].append(floor_decode_stream(setup, fb, steps))
+            floors_runs["json_encode"].append(floor_json(setup, fb, steps))
+            floors_runs["wakeup"].append(await floor_wakeup(fb, steps))
+            router_encode.append(floor_json(setup, fb, steps, router=True))
+        stats = engine.stats()
+    finally:
+        await engine.aclose()
+
+    floors = {f"{k}_us": median(v) for k, v in floors_runs.items()}
+    floors["sum_us"] = sum(floors.values())
+    floors["router_encode_us"] = median(router_encode)  # not a floor: api.sse.encode as it is
+    results: dict[str, Any] = {}
+    for b in args.batch:
+        entry: dict[str, Any] = {}
+        for stop in (False, True):
+            r = raw[(b, stop)]
+            stages = {
+                key: median([s[key] for s in r["stages"]])
+                for key in ("instrumented_total", *STAGES)
+            }
+            values = {
+                "total_us_per_token": median(r["cpu"]),
+                "wall_us_per_token": median(r["wall"]),
+                "total_runs_us": [round(v, 3) for v in r["cpu"]],
+                "instrumented_total_us": stages.pop("instrumented_total"),
+                **{f"{k}_us": v for k, v in stages.items()},
+            }
+            if stop:
+                entry["with_stop"] = values
+            else:
+                entry.update(values)
+        results[str(b)] = entry
+    return {
+        "steps": steps,
+        "repeats": args.repeats,
+        "target_us_per_token": TARGET_US,
+        "load_average": load_average(),
+        "floors": floors,
+        "stages": STAGE_HELP,
+        "num_merged_outputs": stats["num_merged_outputs"],
+        "num_coalesced_steps": stats["num_coalesced_steps"],
+        "results": results,
+    }
+
+
+def print_tables(report: dict[str, Any]) -> None:
+    results, floors = report["results"], report["floors"]
+    print(
+        f"frontend: {report['steps']} steps, one token per request per step, median of "
+        f"{report['repeats']} runs; load average {report['load_average']}"
+    )
+    print(
+        f"floors: DecodeStream.step {floors['decode_stream_us']:.2f} µs, chunk JSON encode "
+        f"{floors['json_encode_us']:.2f} µs, asyncio wake-up {floors['wakeup_us']:.2f} µs, "
+        f"sum {floors['sum_us']:.2f} µs (the router's encode, json.dumps with options: "
+        f"{floors['router_encode_us']:.2f} µs)"
+    )
+    print(
+        f"coalescing during the runs (must be 0): merged outputs {report['num_merged_outputs']}, "
+        f"coalesced steps {report['num_coalesced_steps']}"
+    )
+    head = f"{'B':>4} {'stop':>4} {'total µs/tok':>12} {'wall µs/tok':>11} {'vs floors':>9} {'target':>7}"
+    print(head)
+    for b, entry in results.items():
+        for stop, values in (("no", entry), ("yes", entry["with_stop"])):
+            total = values["total_us_per_token"]
+            verdict = "met" if total <= TARGET_US else f"+{total / TARGET_US - 1:.0%}"
+            print(
+                f"{b:>4} {stop:>4} {total:>12.2f} {values['wall_us_per_token']:>11.2f} "
+                f"{total / floors['sum_us']:>8.2f}x {verdict:>7}"
+            )
+    print("\nper stage, µs per token (instrumented runs; timers add cost, see 'instr. total')")
+    cols = ["instr. total", *STAGES]
+    print(f"{'B':>4} {'stop':>4} " + " ".join(f"{c[:12]:>12}" for c in cols))
+    for b, entry in results.items():
+        for stop, values in (("no", entry), ("yes", entry["with_stop"])):
+            row = [values["instrumented_total_us"], *(values[f"{s}_us"] for s in STAGES)]
+            print(f"{b:>4} {stop:>4} " + " ".join(f"{v:>12.2f}" for v in row))
+    for stage, text in STAGE_HELP.items():
+        print(f"  {stage}: {text}")
+
+
+def plot(report: dict[str, Any]) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    results = report["results"]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    labels, bottoms = [], []
+    bars: dict[str, list[float]] = {s: [] for s in STAGES}
+    totals = []
+    for b, entry in results.items():
+        for stop, values in (("", entry), (" +stop", entry["with_stop"])):
+            labels.append(f"B={b}{stop}")
+            parts = {s: max(values[f"{s}_us"], 0.0) for s in STAGES}
+            measured = sum(parts.values())
+            scale = values["total_us_per_token"] / measured if measured else 1.0
+            for s in STAGES:  # scaled so the bar's height is the clean total
+                bars[s].append(parts[s] * scale)
+            totals.append(values["total_us_per_token"])
+    bottoms = [0.0] * len(labels)
+    for s in STAGES:
+        ax.bar(labels, bars[s], bottom=bottoms, label=s)
+        bottoms = [a + b for a, b in zip(bottoms, bars[s], strict=True)]
+    ax.axhline(TARGET_US, color="red", linestyle="--", label=f"target {TARGET_US} µs")
+    ax.axhline(report["floors"]["sum_us"], color="black", linestyle=":", label="sum of floors")
+    ax.set_ylabel("event-loop CPU µs per token per request")
+    ax.set_title("inlinelm frontend cost per streamed token (stages scaled to the clean total)")
+    ax.legend(fontsize=7, ncol=2)
+    plt.setp(ax.get_xticklabels(), rotation=20)
+    save_plot(fig, "frontend.png")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--batch", type=int, nargs="+", default=[32, 128, 256])
+    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--instrumented-repeats", type=int, default=2)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args()
+    report = asyncio.run(bench(args))
+    print_tables(report)
+    write_json(args.json, report)
+    if not args.no_plot:
+        plot(report)
+
+
+if __name__ == "__main__":
+    main()

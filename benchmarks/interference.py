@@ -1,0 +1,531 @@
+"""Does the engine wait for the frontend? Step-period stretch under streaming HTTP load.
+
+The echo runner stands in for a device with a 4.5 ms step that releases the GIL (a
+Llama-3-8B decode step on an H100). This process serves ``inlinelm.api.create_app(engine)``
+with uvicorn on 127.0.0.1; a load generator in another process opens B concurrent streaming
+``/v1/chat/completions`` requests (raw asyncio sockets, so the client stays cheap), each
+``max_tokens`` tokens with ``ignore_eos``, and reads them to the end. Bounded in count and
+time, loopback only, self-stopping.
+
+Per B (1, 32, 128, 256 by default), measured in the same server run:
+
+* the engine's achieved step period (step start to next step start) over the steps where
+  all B requests decode, its median and p99, and the stretch = median / 4.5 ms; the engine
+  thread's CPU per step (scheduler + runner Python) and what is left (waiting for the GIL,
+  sleep overshoot);
+* the clients' TTFT and inter-token latency p50/p99 (per socket read: frames that arrive
+  together count as 0 gaps after the first);
+* coalescing: ``engine.stats()["num_merged_outputs"]`` (outputs merged into a waiting
+  one in a collector) and coalesced steps (batches the output handler found queued);
+* event-loop lag (``event_loop_lag_seconds``: step end → its batch handled), mean and p99.
+
+The first B with over 1% of its outputs merged is where the frontend starts coalescing; an
+"alone" column gives the same engine thread's stretch with no frontend at all. ``--switch-interval``
+can repeat everything under other ``sys.setswitchinterval`` values. Prints a table, writes
+``--json PATH`` and benchmarks/results/interference.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import multiprocessing as mp
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import itertools
+
+from _common import (
+    chat_messages,
+    load_average,
+    median,
+    percentile,
+    pyplot,
+    save_plot,
+    write_json,
+)
+
+STEP_S = 0.0045
+TARGET_STRETCH = 1.10
+CONTENT = b'"delta":{"content":'
+COALESCING_SHARE = 0.01
+"""A wave coalesces when over this share of its outputs were merged in a collector."""
+
+
+# -- load generator (another process) ------------------------------------------------------
+
+
+async def _one_stream(
+    port: int, body: bytes, deadline: float, start_gate: asyncio.Event
+) -> dict[str, Any]:
+    """One streaming request over a raw socket; timestamps per read, frames counted per read."""
+    await start_gate.wait()
+    sent = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
+    writer.write(head + body)
+    gaps: list[float] = []
+    first: float | None = None
+    last: float | None = None
+    frames = 0
+    tail = b""
+    status = b""
+    done = False
+    try:
+        while not done:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            data = await asyncio.wait_for(reader.read(1 << 16), remaining)
+            if not data:
+                break
+            now = time.perf_counter()
+            if not status:
+                status = data.split(b"\r\n", 1)[0]
+            window = tail + data
+            count = window.count(CONTENT)
+            tail = window[-(len(CONTENT) - 1) :]
+            done = b"data: [DONE]" in window
+            if count:
+                frames += count
+                if first is None:
+                    first = now
+                else:
+                    assert last is not None
+                    gaps.append(now - last)
+                gaps.extend([0.0] * (count - 1))
+                last = now
+    except (TimeoutError, ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+    return {
+        "status": status.decode(errors="replace"),
+        "frames": frames,
+        "ttft": None if first is None else first - sent,
+        "gaps": gaps,
+        "complete": done,
+    }
+
+
+async def _load(port: int, batch: int, max_tokens: int, timeout_s: float) -> dict[str, Any]:
+    gate = asyncio.Event()
+    deadline = time.perf_counter() + timeout_s
+    bodies = [
+        json.dumps(
+            {
+                "model": "default",
+                "messages": chat_messages(i),
+                "stream": True,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+        ).encode()
+        for i in range(batch)
+    ]
+    tasks = [asyncio.ensure_future(_one_stream(port, b, deadline, gate)) for b in bodies]
+    await asyncio.sleep(0)
+    start = time.perf_counter()
+    gate.set()
+    results = await asyncio.gather(*tasks)
+    return {"wall_s": time.perf_counter() - start, "streams": results}
+
+
+def client_process(port: int, batch: int, max_tokens: int, timeout_s: float, conn: Any) -> None:
+    """Entry point of the load-generator process: run one wave, send the results back."""
+    try:
+        cpu = time.process_time()
+        result = asyncio.run(_load(port, batch, max_tokens, timeout_s))
+        result["cpu_s"] = time.process_time() - cpu
+        conn.send(result)
+    except BaseException as e:
+        conn.send({"error": repr(e)})
+    finally:
+        conn.close()
+
+
+# -- server side (this process) ------------------------------------------------------------
+
+
+class StepRecorder:
+    """Wraps the engine's sink and the echo runner to time every step on the engine thread."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, float, int, float]] = []  # step_start, step_end, n, cpu
+        self.recording = False
+
+    def install(self) -> None:
+        from inlinelm.runtime import engine as engine_module
+
+        post = engine_module._post_outputs
+        rows = self.rows
+
+        def recording_post(dispatcher: Any, heartbeat: Any, batch: Any) -> None:
+            if self.recording and batch.error is None:
+                rows.append(
+                    (batch.step_start, batch.step_end, len(batch.outputs), time.thread_time())
+                )
+            post(dispatcher, heartbeat, batch)
+
+        engine_module._post_outputs = recording_post  # the Engine binds it when it loads
+
+    def take(self) -> list[tuple[float, float, int, float]]:
+        rows = list(self.rows)
+        self.rows.clear()
+        return rows
+
+
+def step_stats(rows: list[tuple[float, float, int, float]], batch: int) -> dict[str, Any]:
+    """Periods between consecutive step starts while all ``batch`` requests decode."""
+    periods, cpus = [], []
+    for a, b in itertools.pairwise(rows):
+        if a[2] == batch and b[2] == batch:
+            periods.append(b[0] - a[0])
+            cpus.append(b[3] - a[3])
+    if not periods:
+        return {"steady_steps": 0}
+    period = median(periods)
+    cpu = median(cpus)
+    return {
+        "steady_steps": len(periods),
+        "period_ms_p50": period * 1e3,
+        "period_ms_p99": percentile(periods, 99) * 1e3,
+        "stretch": period / STEP_S,
+        "engine_cpu_ms_per_step": cpu * 1e3,
+        "other_wait_ms_per_step": (period - STEP_S - cpu) * 1e3,
+    }
+
+
+def hist_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Count, mean, and bucket-bound p50/p99 of the observations between two snapshots."""
+    count = after["count"] - before["count"]
+    if count <= 0:
+        return {"count": 0}
+    cumulative = [
+        (float(k), after["buckets"][k] - before["buckets"].get(k, 0)) for k in after["buckets"]
+    ]
+
+    def quantile(q: float) -> float:
+        for bound, running in cumulative:
+            if running >= q * count:
+                return bound
+        return float("inf")
+
+    return {
+        "count": count,
+        "mean_ms": (after["sum"] - before["sum"]) / count * 1e3,
+        "p50_le_ms": quantile(0.5) * 1e3,
+        "p99_le_ms": quantile(0.99) * 1e3,
+    }
+
+
+def engine_alone(args: argparse.Namespace, batch: int, tokenizer: Any) -> dict[str, Any]:
+    """The same echo engine thread with a sink that drops every batch: no event loop, no HTTP.
+
+    Its step period is the floor the frontend can only add to (the scheduler's and the echo
+    runner's own Python per step).
+    """
+    from inlinelm.gpu.echo_runner import EchoRunner
+    from inlinelm.runtime.engine_core import EngineCore
+    from inlinelm.sampling_params import SamplingParams
+    from inlinelm.sched.request import Request
+
+    config = engine_config(args)
+    runner = EchoRunner(config, 1 << 14, tokenizer.eos_token_id)
+    rows: list[tuple[float, float, int, float]] = []
+    finished = threading.Event()
+    left = [batch]
+
+    def sink(out: Any) -> None:
+        rows.append((out.step_start, out.step_end, len(out.outputs), time.thread_time()))
+        left[0] -= sum(o.finish_reason is not None for o in out.outputs)
+        if left[0] <= 0 or out.error is not None:
+            finished.set()
+
+    core = EngineCore(config.with_options(max_model_len=8192), runner, tokenizer.eos_token_id, sink)
+    core.start()
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0)
+    for i in range(batch):
+        ids = tokenizer.apply_chat_template(chat_messages(i), add_generation_prompt=True)
+        core.add_request(Request(f"alone-{i}", list(ids), params, tokenizer.eos_token_id))
+    finished.wait(args.timeout)
+    core.shutdown()
+    core.join(10)
+    return step_stats(rows, batch)
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from inlinelm.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        runner="echo",
+        echo_step_s=STEP_S,
+        max_num_seqs=max(max(args.batch), 1),
+        max_num_batched_tokens=8192,
+    )
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)
+    return sock
+
+
+async def serve_and_measure(args: argparse.Namespace) -> dict[str, Any]:
+    import uvicorn
+
+    from inlinelm.api import create_app
+    from inlinelm.runtime.engine import Engine
+
+    recorder = StepRecorder()
+    recorder.install()
+    engine = Engine(engine_config(args))
+    await engine.start()
+    alone = {}
+    for batch in args.batch:
+        alone[batch] = await asyncio.to_thread(engine_alone, args, batch, engine.tokenizer)
+        print(
+            f"  B={batch:<4} engine alone: stretch {alone[batch].get('stretch', float('nan')):.3f}, "
+            f"engine CPU {alone[batch].get('engine_cpu_ms_per_step', float('nan')):.2f} ms/step",
+            flush=True,
+        )
+    app = create_app(engine)
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="on", timeout_keep_alive=5
+    )
+    server = uvicorn.Server(config)
+    server_task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        if server_task.done():
+            server_task.result()
+        await asyncio.sleep(0.01)
+    ctx = mp.get_context("spawn")
+    rows: list[dict[str, Any]] = []
+    default_interval = sys.getswitchinterval()
+    try:
+        for interval in args.switch_interval:
+            sys.setswitchinterval(interval)
+            for batch in args.batch:
+                before = engine.stats()
+                parent_conn, child_conn = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=client_process,
+                    args=(port, batch, args.max_tokens, args.timeout, child_conn),
+                    daemon=True,
+                )
+                recorder.take()
+                proc.start()
+                child_conn.close()
+                recorder.recording = True
+                # NOTE: wait in a thread, so the loop keeps serving while the clients run.
+                client = await asyncio.to_thread(_receive, parent_conn, args.timeout + 30)
+                recorder.recording = False
+                await asyncio.to_thread(proc.join, 10)
+                if proc.is_alive():
+                    proc.kill()
+                await asyncio.sleep(0.2)  # the last aborts/finishes reach the stats
+                after = engine.stats()
+                rows.append(
+                    summarize(batch, interval, args, client, recorder.take(), before, after)
+                )
+                rows[-1]["alone"] = alone[batch]
+                r = rows[-1]
+                print(
+                    f"  B={batch:<4} switch={interval * 1e3:g} ms: stretch {r.get('stretch', float('nan')):.3f}, "
+                    f"merged {r['merged_outputs']}, complete {r['complete_streams']}/{batch}",
+                    flush=True,
+                )
+    finally:
+        sys.setswitchinterval(default_interval)
+        server.should_exit = True
+        await asyncio.wait_for(server_task, 30)
+    return {"rows": rows}
+
+
+def _receive(conn: Any, timeout: float) -> dict[str, Any]:
+    if conn.poll(timeout):
+        return conn.recv()  # type: ignore[no-any-return]
+    return {"error": "the load generator sent nothing in time"}
+
+
+def summarize(
+    batch: int,
+    interval: float,
+    args: argparse.Namespace,
+    client: dict[str, Any],
+    steps: list[tuple[float, float, int, float]],
+    before: dict[str, Any],
+    after: dict[str, Any],
+) -> dict[str, Any]:
+    if "error" in client:
+        raise RuntimeError(f"B={batch}: {client['error']}")
+    streams = client["streams"]
+    gaps = [g for s in streams for g in s["gaps"]]
+    ttfts = [s["ttft"] for s in streams if s["ttft"] is not None]
+    bad = {s["status"] for s in streams if "200" not in s["status"]}
+    if bad:
+        raise RuntimeError(f"B={batch}: responses {bad}")
+    hists_b, hists_a = before["histograms"], after["histograms"]
+    return {
+        "batch": batch,
+        "switch_interval_ms": interval * 1e3,
+        **step_stats(steps, batch),
+        "client_wall_s": client["wall_s"],
+        "client_cpu_s": client["cpu_s"],
+        "complete_streams": sum(s["complete"] for s in streams),
+        "frames": sum(s["frames"] for s in streams),
+        "expected_frames": batch * args.max_tokens,
+        "ttft_ms_p50": median(ttfts) * 1e3,
+        "ttft_ms_p99": percentile(ttfts, 99) * 1e3,
+        "itl_ms_p50": median(gaps) * 1e3,
+        "itl_ms_p99": percentile(gaps, 99) * 1e3,
+        "itl_nonzero_ms_p50": median([g for g in gaps if g > 0]) * 1e3,
+        "merged_outputs": after["num_merged_outputs"] - before["num_merged_outputs"],
+        "coalesced_steps": after["num_coalesced_steps"] - before["num_coalesced_steps"],
+        "loop_lag": hist_delta(
+            hists_b["event_loop_lag_seconds"], hists_a["event_loop_lag_seconds"]
+        ),
+        "http_itl": hist_delta(hists_b["http_itl_seconds"], hists_a["http_itl_seconds"]),
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(
+        f"interference: echo step {STEP_S * 1e3} ms, {report['max_tokens']} tokens per stream, "
+        f"load average {report['load_average']}"
+    )
+    cols = (
+        f"{'B':>4} {'switch':>6} {'alone':>6} {'period p50':>10} {'p99':>6} {'stretch':>7} {'eng cpu':>7} "
+        f"{'wait':>6} {'ITL p50':>7} {'p99':>6} {'TTFT p50':>8} {'merged':>7} {'coal.st':>7} "
+        f"{'lag mean':>8} {'lag p99<=':>9} {'done':>5}"
+    )
+    print(cols)
+    print(
+        f"{'':>4} {'ms':>6} {'strch':>6} {'ms':>10} {'ms':>6} {'':>7} {'ms':>7} {'ms':>6} {'ms':>7} {'ms':>6} "
+        f"{'ms':>8} {'':>7} {'':>7} {'ms':>8} {'ms':>9}"
+    )
+    for r in report["rows"]:
+        lag = r["loop_lag"]
+        print(
+            f"{r['batch']:>4} {r['switch_interval_ms']:>6g} {r['alone'].get('stretch', float('nan')):>6.3f} "
+            f"{r.get('period_ms_p50', float('nan')):>10.2f} "
+            f"{r.get('period_ms_p99', float('nan')):>6.2f} {r.get('stretch', float('nan')):>7.3f} "
+            f"{r.get('engine_cpu_ms_per_step', float('nan')):>7.2f} {r.get('other_wait_ms_per_step', float('nan')):>6.2f} "
+            f"{r['itl_ms_p50']:>7.2f} {r['itl_ms_p99']:>6.2f} {r['ttft_ms_p50']:>8.1f} "
+            f"{r['merged_outputs']:>7} {r['coalesced_steps']:>7} {lag.get('mean_ms', 0):>8.2f} "
+            f"{lag.get('p99_le_ms', 0):>9.1f} {r['complete_streams']:>5}"
+        )
+    for interval, first in report["coalescing_starts_at"].items():
+        print(f"switch interval {interval} ms: frontend starts coalescing at B = {first}")
+    print(
+        "alone = stretch of the same engine thread with no frontend (sink drops batches); "
+        "stretch = median step period / 4.5 ms; eng cpu = engine-thread CPU per step; wait = "
+        "period - 4.5 ms - eng cpu (GIL wait, sleep overshoot); ITL per client socket read"
+    )
+
+
+def plot(report: dict[str, Any]) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    by_interval: dict[float, list[dict[str, Any]]] = {}
+    for r in report["rows"]:
+        by_interval.setdefault(r["switch_interval_ms"], []).append(r)
+    for interval, rows in by_interval.items():
+        bs = [r["batch"] for r in rows]
+        ax1.plot(
+            bs,
+            [r.get("stretch", float("nan")) for r in rows],
+            "o-",
+            label=f"switch {interval:g} ms",
+        )
+        ax2.plot(
+            bs, [r["itl_ms_p50"] for r in rows], "o-", label=f"ITL p50, switch {interval:g} ms"
+        )
+        ax2.plot(
+            bs, [r["itl_ms_p99"] for r in rows], "x--", label=f"ITL p99, switch {interval:g} ms"
+        )
+    ax1.axhline(TARGET_STRETCH, color="red", linestyle="--", label="target 1.10")
+    ax1.set_xlabel("concurrent streams B")
+    ax1.set_ylabel("step period / 4.5 ms")
+    ax1.set_title("engine step stretch")
+    ax1.legend(fontsize=8)
+    ax2.axhline(STEP_S * 1e3, color="gray", linestyle=":", label="4.5 ms")
+    ax2.set_xlabel("concurrent streams B")
+    ax2.set_ylabel("ms")
+    ax2.set_title("client inter-token latency")
+    ax2.legend(fontsize=7)
+    save_plot(fig, "interference.png")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128, 256])
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--timeout", type=float, default=60.0, help="per wave, seconds")
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        nargs="+",
+        default=[sys.getswitchinterval()],
+        help="sys.setswitchinterval values (seconds) to run the waves under",
+    )
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args()
+    logging.getLogger("inlinelm").setLevel(logging.WARNING)
+    # NOTE: a lagging reader logs a warning per request; the merged count says the same.
+    logging.getLogger("inlinelm.runtime.collector").setLevel(logging.ERROR)
+    threading.current_thread().name = "event-loop"
+    result = asyncio.run(serve_and_measure(args))
+    coalescing: dict[str, Any] = {}
+    for interval in args.switch_interval:
+        rows = [r for r in result["rows"] if r["switch_interval_ms"] == interval * 1e3]
+        first = next(
+            (
+                r["batch"]
+                for r in rows
+                if r["merged_outputs"] > COALESCING_SHARE * r["batch"] * args.max_tokens
+            ),
+            None,
+        )
+        coalescing[f"{interval * 1e3:g}"] = first
+    report = {
+        "step_ms": STEP_S * 1e3,
+        "max_tokens": args.max_tokens,
+        "target_stretch": TARGET_STRETCH,
+        "load_average": load_average(),
+        "coalescing_starts_at": coalescing,
+        **result,
+    }
+    print_table(report)
+    write_json(args.json, report)
+    if not args.no_plot:
+        plot(report)
+
+
+if __name__ == "__main__":
+    main()

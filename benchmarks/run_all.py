@@ -1,0 +1,102 @@
+"""Run the CPU benchmarks one after the other within about 10 minutes (``make bench``).
+
+Each benchmark runs in its own process with its default (short) settings, prints its table
+and writes ``benchmarks/results/<name>.json`` and its PNG. A summary of the targets follows.
+``--only NAME ...`` picks some; ``--budget`` caps the total time (a benchmark that would
+start past it is skipped, and each one is stopped at its own time limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+# name, script, extra arguments, time limit in seconds
+BENCHMARKS: list[tuple[str, str, list[str], int]] = [
+    ("frontend", "frontend.py", [], 150),
+    ("interference", "interference.py", [], 150),
+    ("detok", "detok.py", [], 90),
+    ("e2e_cpu", "e2e_cpu.py", [], 330),
+]
+
+
+def summary(name: str, data: dict) -> str:
+    if name == "frontend":
+        r = data["results"]
+        big = r[max(r, key=int)]
+        return (
+            f"B={max(r, key=int)}: {big['total_us_per_token']:.2f} µs/token "
+            f"({big['with_stop']['total_us_per_token']:.2f} with stop strings), "
+            f"target <= {data['target_us_per_token']} µs; floors sum {data['floors']['sum_us']:.2f} µs"
+        )
+    if name == "interference":
+        rows = data["rows"]
+        last = max(rows, key=lambda row: row["batch"])
+        return (
+            f"B={last['batch']}: stretch {last.get('stretch', float('nan')):.3f} (target <= "
+            f"{data['target_stretch']}), ITL p50/p99 {last['itl_ms_p50']:.1f}/{last['itl_ms_p99']:.1f} ms; "
+            f"coalescing starts at B = {data['coalescing_starts_at']}"
+        )
+    if name == "e2e_cpu":
+        v = data["verdicts"]
+        text = f"(a) {v['a_ms_per_token']:.1f} ms/token (target <= 20)"
+        if "b_throughput_vs_continuous" in v:
+            text += (
+                f"; (b) {v['b_throughput_vs_continuous']:.2f}x continuous batching's tokens/s "
+                f"(target >= 3), their TTFT p50 / ours {v['b_ttft_p50_theirs_over_ours']:.2f} (target >= 5)"
+            )
+        return text
+    return "see its table"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", choices=[b[0] for b in BENCHMARKS])
+    parser.add_argument("--budget", type=float, default=600.0, help="seconds for everything")
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    done: dict[str, str] = {}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name, script, extra, limit in BENCHMARKS:
+        if args.only and name not in args.only:
+            continue
+        left = args.budget - (time.perf_counter() - start)
+        if left < 30:
+            done[name] = f"skipped: {left:.0f} s of the budget left"
+            continue
+        out = RESULTS / f"{name}.json"
+        cmd = [sys.executable, str(HERE / script), "--json", str(out), *extra]
+        print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, timeout=min(limit, left), check=False)
+            status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {min(limit, left):.0f} s"
+        took = time.perf_counter() - t0
+        if status == "ok" and out.exists() and script != "detok.py":
+            try:
+                status = summary(name, json.loads(out.read_text()))
+            except (KeyError, ValueError) as e:
+                status = f"ok (no summary: {e!r})"
+        done[name] = f"{status} [{took:.0f} s]"
+    print(
+        f"\n=== summary ({time.perf_counter() - start:.0f} s, load average {os.getloadavg()[0]:.2f})"
+    )
+    for name, text in done.items():
+        print(f"{name:>13}: {text}")
+    if any("failed" in t or "timed out" in t for t in done.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -24,6 +24,8 @@ class EngineConfig:
     runner: RunnerKind = "model"
     device: str = "cpu"
     dtype: str = "float32"
+    # CPU intra-op threads; None leaves one core for the event loop (see docs/architecture.md).
+    num_threads: int | None = None
     seed: int = 0
     # Scheduling
     max_model_len: int | None = None
@@ -85,5 +87,7 @@ class EngineConfig:
             raise RequestError(
                 "gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization"
             )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise RequestError("num_threads must be >= 1", param="num_threads")
         if self.echo_step_s < 0:
             raise RequestError("echo_step_s must be >= 0", param="echo_step_s")

@@ -12,7 +12,7 @@ import torch
 
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.attention import AttentionBackend
-from inlinelm.gpu.llama import LlamaForCausalLM, RotaryEmbedding
+from inlinelm.gpu.llama import Linear, LlamaForCausalLM, RotaryEmbedding
 from inlinelm.gpu.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -48,18 +48,32 @@ def load_model(
         model = LlamaForCausalLM(cfg, backend, max_positions=1)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions).to(device)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = _destinations(model)
     loaded = _load_files(folder, cfg, params)
     _check_complete(folder, cfg, params, loaded)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight_t.data.copy_(model.embed_tokens.weight.data.t())
     logger.info("loaded %s weights in %.2f s", folder.name, time.perf_counter() - start)
     return model.eval()
 
 
-def _load_files(
-    folder: Path, cfg: ModelConfig, params: dict[str, torch.nn.Parameter]
-) -> set[_Target]:
+def _destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Every loadable tensor under its checkpoint-style name, in the checkpoint's orientation
+    (a ``Linear``'s transposed storage is exposed as a ``.weight`` view of shape [out, in])."""
+    views: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, Linear):
+            views[f"{prefix}weight"] = module.weight_t.data.t()
+            if module.bias is not None:
+                views[f"{prefix}bias"] = module.bias.data
+        else:
+            for pname, param in module.named_parameters(recurse=False):
+                views[f"{prefix}{pname}"] = param.data
+    return views
+
+
+def _load_files(folder: Path, cfg: ModelConfig, params: dict[str, torch.Tensor]) -> set[_Target]:
     from safetensors import SafetensorError, safe_open
 
     loaded: set[_Target] = set()
@@ -133,7 +147,7 @@ def _rows(target: _Target, cfg: ModelConfig) -> tuple[int, int] | None:
 def _copy(
     tensor: torch.Tensor,
     target: _Target,
-    params: dict[str, torch.nn.Parameter],
+    params: dict[str, torch.Tensor],
     cfg: ModelConfig,
     path: Path,
     name: str,
@@ -144,7 +158,7 @@ def _copy(
         )
     if tensor.dtype not in _FLOAT_DTYPES:
         raise ModelLoadError(f"unsupported weight dtype {tensor.dtype}", path=str(path), field=name)
-    dest = params[target.param].data
+    dest = params[target.param]
     rows = _rows(target, cfg)
     if rows is not None:
         dest = dest[rows[0] : rows[1]]
@@ -158,7 +172,7 @@ def _copy(
 
 
 def _check_complete(
-    folder: Path, cfg: ModelConfig, params: dict[str, torch.nn.Parameter], loaded: set[_Target]
+    folder: Path, cfg: ModelConfig, params: dict[str, torch.Tensor], loaded: set[_Target]
 ) -> None:
     expected = {_Target(name, shard) for name in params for shard in _shards(name, cfg)}
     if cfg.tie_word_embeddings:

@@ -80,13 +80,16 @@ class LoopBridge:
             self._close()
 
     async def _drain(self) -> None:
+        handled = 0
         while True:
             with self._lock:
                 if not self._batches:
                     self._wake_pending = False
+                    # NOTE: every batch after the first in one wake-up waited for the loop.
+                    self.num_coalesced_steps += max(handled - 1, 0)
                     return
                 batch = self._batches.popleft()
-                self.num_coalesced_steps += len(self._batches)
+            handled += 1
             await self._handle(batch)
 
     async def _handle(self, batch: EngineCoreOutputs) -> None:

@@ -12,7 +12,8 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from inlinelm.config import EngineConfig
@@ -229,19 +230,8 @@ class Engine:
         happen here, so ``RequestError``/``QueueFullError``/``EngineError`` raise at once;
         before that they raise from the first ``async for``/``await``.
         """
-        params = _params(params, overrides)
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
-        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        self._check_usable()
-        stream = RequestStream(
-            rid,
-            lambda: self._submit_lazily(prompt, params, rid, arrival, add_special_tokens),
-            lambda: self._abort(rid),
-            delta=params.output_kind is OutputKind.DELTA,
-        )
-        if self.is_ready:
-            stream._attach(self._submit(prompt, params, rid, arrival, add_special_tokens))
-        return stream
+        source = _Prompt(lambda: prompt, add_special_tokens, "prompt")
+        return self._open(source, _params(params, overrides), request_id, arrival_time)
 
     def chat(
         self,
@@ -253,17 +243,28 @@ class Engine:
         **overrides: Any,
     ) -> RequestStream:
         """Like :meth:`stream`, with the model's chat template applied to ``messages``."""
-        if not self.is_ready:
-            self.start_sync()
-        prompt = self.render_chat(messages)
-        return self.stream(
-            prompt,
-            params,
-            request_id=request_id,
-            arrival_time=arrival_time,
-            add_special_tokens=False,
-            **overrides,
+        source = _Prompt(lambda: self.render_chat(messages), False, "messages")
+        return self._open(source, _params(params, overrides), request_id, arrival_time)
+
+    def _open(
+        self,
+        source: _Prompt,
+        params: SamplingParams,
+        request_id: str | None,
+        arrival_time: float | None,
+    ) -> RequestStream:
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        self._check_usable()
+        stream = RequestStream(
+            rid,
+            lambda: self._submit_lazily(source, params, rid, arrival),
+            lambda: self._abort(rid),
+            delta=params.output_kind is OutputKind.DELTA,
         )
+        if self.is_ready:
+            stream._attach(self._submit(source, params, rid, arrival))
+        return stream
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
         """The prompt text the chat template makes of ``messages`` (with the assistant turn opened)."""
@@ -315,19 +316,21 @@ class Engine:
     # -- submission (event loop) -----------------------------------------------------------
 
     async def _submit_lazily(
-        self, prompt: Prompt, params: SamplingParams, rid: str, arrival: float, add_special: bool
+        self, source: _Prompt, params: SamplingParams, rid: str, arrival: float
     ) -> RequestOutputCollector:
         await self.start()
-        return self._submit(prompt, params, rid, arrival, add_special)
+        return self._submit(source, params, rid, arrival)
 
     def _submit(
-        self, prompt: Prompt, params: SamplingParams, rid: str, arrival: float, add_special: bool
+        self, source: _Prompt, params: SamplingParams, rid: str, arrival: float
     ) -> RequestOutputCollector:
         loaded = self._require_loaded()
         self._check_usable()
         self._admit_count()
-        prompt_ids = loaded.admission.tokenize(prompt, add_special)
-        loaded.admission.check_lengths(prompt_ids, params)
+        prompt_ids = loaded.admission.tokenize(
+            source.make(), source.add_special_tokens, source.param
+        )
+        loaded.admission.check_lengths(prompt_ids, params, source.param)
         self._admit_tokens(len(prompt_ids))
         loop = asyncio.get_running_loop()
         bridge = self._dispatcher.bridge_for(loop, lambda: self._make_bridge(loop))
@@ -485,6 +488,15 @@ class Engine:
             raise EngineDeadError(f"the engine thread died: {error!r}") from error
         if self._closed:
             raise EngineClosedError("the engine is closed")
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """Where a request's prompt comes from, and the field named when it is bad."""
+
+    make: Callable[[], Prompt]
+    add_special_tokens: bool
+    param: str
 
 
 class _Heartbeat:

@@ -29,7 +29,9 @@ class Admission:
     vocab_size: int
     max_model_len: int
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+    def tokenize(
+        self, prompt: str | list[int], add_special_tokens: bool, param: str = "prompt"
+    ) -> list[int]:
         """Token ids of ``prompt``; raises ``RequestError`` for an empty or invalid prompt."""
         if isinstance(prompt, str):
             ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -39,15 +41,17 @@ class Admission:
             ids = prompt
             if any(t < 0 or t >= self.vocab_size for t in ids):
                 raise RequestError(
-                    f"prompt token ids must be in [0, {self.vocab_size})", param="prompt"
+                    f"prompt token ids must be in [0, {self.vocab_size})", param=param
                 )
         else:
-            raise RequestError("prompt must be a string or a list of token ids", param="prompt")
+            raise RequestError("prompt must be a string or a list of token ids", param=param)
         if not ids:
-            raise RequestError("the prompt is empty", param="prompt")
+            raise RequestError("the prompt is empty", param=param)
         return ids
 
-    def check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
+    def check_lengths(
+        self, prompt_ids: list[int], params: SamplingParams, param: str = "prompt"
+    ) -> int:
         """The effective max_tokens; raises ``RequestError`` when prompt + output cannot fit."""
         from inlinelm.gpu.sampling_metadata import check_token_ids
 
@@ -56,7 +60,7 @@ class Admission:
         if n >= self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens",
-                param="prompt",
+                param=param,
             )
         room = self.max_model_len - n
         if params.max_tokens is not None and params.max_tokens > room:

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import random
 import sys
 import time
 from pathlib import Path
@@ -47,12 +48,18 @@ TARGET_TTFT_RATIO = 5.0
 
 
 def make_prompts(tokenizer: Any, count: int, max_context: int) -> list[list[int]]:
-    """Chat prompts whose context sizes spread from 0 to ``max_context`` tokens."""
-    words = (ANSWER.replace("\n", " ") + " ") * 40
-    context_ids = tokenizer.encode(words, add_special_tokens=False)
+    """Chat prompts whose context sizes spread from 0 to ``max_context`` tokens.
+
+    Each context is the words of a chat answer shuffled with the request's own seed, so
+    prompts share no more than their system prompt (no free prefix-cache hits).
+    """
+    vocabulary = (ANSWER + " ".join(QUESTIONS)).split()
     prompts = []
     for i in range(count):
         size = (i * 131) % (max_context + 1)
+        rng = random.Random(i)
+        words = [rng.choice(vocabulary) for _ in range(size)]
+        context_ids = tokenizer.encode(" ".join(words), add_special_tokens=False)
         context = tokenizer.decode(context_ids[:size]) if size else ""
         question = QUESTIONS[i % len(QUESTIONS)]
         content = f"{context}\n\n{question}" if context else question

@@ -3,7 +3,7 @@
 The echo runner stands in for a device with a 4.5 ms step that releases the GIL (a
 Llama-3-8B decode step on an H100). This process serves ``inlinelm.api.create_app(engine)``
 with uvicorn on 127.0.0.1; a load generator in another process opens B concurrent streaming
-``/v1/chat/completions`` requests (raw asyncio sockets, so the client stays cheap), each
+``/v1/chat/completions`` requests (plain sockets and one epoll loop, so the client stays cheap), each
 ``max_tokens`` tokens with ``ignore_eos``, and reads them to the end. Bounded in count and
 time, loopback only, self-stopping.
 
@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import multiprocessing as mp
+import select
 import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,68 +65,45 @@ COALESCING_SHARE = 0.01
 # -- load generator (another process) ------------------------------------------------------
 
 
-async def _one_stream(
-    port: int, body: bytes, deadline: float, start_gate: asyncio.Event
-) -> dict[str, Any]:
-    """One streaming request over a raw socket; timestamps per read, frames counted per read."""
-    await start_gate.wait()
-    sent = time.perf_counter()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    ).encode()
-    writer.write(head + body)
-    gaps: list[float] = []
+@dataclass
+class _Stream:
+    """One client stream's progress: timestamps per socket read, frames counted per read."""
+
+    sock: socket.socket
+    sent: float
+    gaps: list[float] = field(default_factory=list)
     first: float | None = None
     last: float | None = None
-    frames = 0
-    tail = b""
-    status = b""
-    done = False
-    try:
-        while not done:
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
-                break
-            data = await asyncio.wait_for(reader.read(1 << 16), remaining)
-            if not data:
-                break
-            now = time.perf_counter()
-            if not status:
-                status = data.split(b"\r\n", 1)[0]
-            window = tail + data
-            count = window.count(CONTENT)
-            tail = window[-(len(CONTENT) - 1) :]
-            done = b"data: [DONE]" in window
-            if count:
-                frames += count
-                if first is None:
-                    first = now
-                else:
-                    assert last is not None
-                    gaps.append(now - last)
-                gaps.extend([0.0] * (count - 1))
-                last = now
-    except (TimeoutError, ConnectionError, OSError):
-        pass
-    finally:
-        writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
-    return {
-        "status": status.decode(errors="replace"),
-        "frames": frames,
-        "ttft": None if first is None else first - sent,
-        "gaps": gaps,
-        "complete": done,
-    }
+    frames: int = 0
+    tail: bytes = b""
+    status: bytes = b""
+    done: bool = False
 
 
-async def _load(port: int, batch: int, max_tokens: int, timeout_s: float) -> dict[str, Any]:
-    gate = asyncio.Event()
-    deadline = time.perf_counter() + timeout_s
+def _read(stream: _Stream, data: bytes, now: float) -> None:
+    if not stream.status:
+        stream.status = data.split(b"\r\n", 1)[0]
+    window = stream.tail + data
+    count = window.count(CONTENT)
+    stream.tail = window[-(len(CONTENT) - 1) :]
+    stream.done = stream.done or b"data: [DONE]" in window
+    if count:
+        stream.frames += count
+        if stream.first is None:
+            stream.first = now
+        else:
+            assert stream.last is not None
+            stream.gaps.append(now - stream.last)
+        stream.gaps.extend([0.0] * (count - 1))
+        stream.last = now
+
+
+def _load(port: int, batch: int, max_tokens: int, timeout_s: float) -> dict[str, Any]:
+    """Open ``batch`` streaming requests and read them all with one epoll loop.
+
+    Plain non-blocking sockets and ``select.epoll`` keep the client's CPU per frame small,
+    since it shares this machine's cores with the server.
+    """
     bodies = [
         json.dumps(
             {
@@ -139,19 +117,67 @@ async def _load(port: int, batch: int, max_tokens: int, timeout_s: float) -> dic
         ).encode()
         for i in range(batch)
     ]
-    tasks = [asyncio.ensure_future(_one_stream(port, b, deadline, gate)) for b in bodies]
-    await asyncio.sleep(0)
+    poller = select.epoll()
+    streams: dict[int, _Stream] = {}
     start = time.perf_counter()
-    gate.set()
-    results = await asyncio.gather(*tasks)
-    return {"wall_s": time.perf_counter() - start, "streams": results}
+    deadline = start + timeout_s
+    for body in bodies:
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sent = time.perf_counter()
+        sock.sendall(head + body)
+        sock.setblocking(False)
+        streams[sock.fileno()] = _Stream(sock, sent)
+        poller.register(sock.fileno(), select.EPOLLIN)
+    live = set(streams)
+    try:
+        while live:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            events = poller.poll(remaining)
+            now = time.perf_counter()
+            for fd, _ in events:
+                stream = streams[fd]
+                try:
+                    data = stream.sock.recv(1 << 16)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if data:
+                    _read(stream, data, now)
+                if not data or stream.done:
+                    poller.unregister(fd)
+                    live.discard(fd)
+    finally:
+        poller.close()
+        for stream in streams.values():
+            stream.sock.close()
+    return {
+        "wall_s": time.perf_counter() - start,
+        "streams": [
+            {
+                "status": st.status.decode(errors="replace"),
+                "frames": st.frames,
+                "ttft": None if st.first is None else st.first - st.sent,
+                "gaps": st.gaps,
+                "complete": st.done,
+            }
+            for st in streams.values()
+        ],
+    }
 
 
 def client_process(port: int, batch: int, max_tokens: int, timeout_s: float, conn: Any) -> None:
     """Entry point of the load-generator process: run one wave, send the results back."""
     try:
         cpu = time.process_time()
-        result = asyncio.run(_load(port, batch, max_tokens, timeout_s))
+        result = _load(port, batch, max_tokens, timeout_s)
         result["cpu_s"] = time.process_time() - cpu
         conn.send(result)
     except BaseException as e:
@@ -312,7 +338,12 @@ async def serve_and_measure(args: argparse.Namespace) -> dict[str, Any]:
     sock = free_socket()
     port = sock.getsockname()[1]
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="on", timeout_keep_alive=5
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=5,
+        http=args.http,
     )
     server = uvicorn.Server(config)
     server_task = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -413,6 +444,7 @@ def summarize(
 def print_table(report: dict[str, Any]) -> None:
     print(
         f"interference: echo step {STEP_S * 1e3} ms, {report['max_tokens']} tokens per stream, "
+        f"uvicorn http={report['http']}{' on uvloop' if report['uvloop'] else ''}, "
         f"load average {report['load_average']}"
     )
     cols = (
@@ -494,13 +526,22 @@ def main() -> None:
         help="sys.setswitchinterval values (seconds) to run the waves under",
     )
     parser.add_argument("--model", default="default")
+    parser.add_argument(
+        "--http", default="auto", choices=["auto", "h11", "httptools"], help="uvicorn's HTTP"
+    )
+    parser.add_argument("--uvloop", action="store_true", help="serve on uvloop (if installed)")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
     logging.getLogger("inlinelm").setLevel(logging.WARNING)
     # NOTE: a lagging reader logs a warning per request; the merged count says the same.
     logging.getLogger("inlinelm.runtime.collector").setLevel(logging.ERROR)
     threading.current_thread().name = "event-loop"
-    result = asyncio.run(serve_and_measure(args))
+    if args.uvloop:
+        import uvloop
+
+        result = uvloop.run(serve_and_measure(args))
+    else:
+        result = asyncio.run(serve_and_measure(args))
     coalescing: dict[str, Any] = {}
     for interval in args.switch_interval:
         rows = [r for r in result["rows"] if r["switch_interval_ms"] == interval * 1e3]
@@ -514,6 +555,8 @@ def main() -> None:
         )
         coalescing[f"{interval * 1e3:g}"] = first
     report = {
+        "http": args.http,
+        "uvloop": args.uvloop,
         "step_ms": STEP_S * 1e3,
         "max_tokens": args.max_tokens,
         "target_stretch": TARGET_STRETCH,

@@ -1,0 +1,73 @@
+"""The output handler (invariants 2 and 3): each step's batch goes through
+``OutputProcessor.process_outputs`` in slices of at most 128 outputs, and the loop runs other
+tasks between slices."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import defaultdict
+from typing import Any
+
+from inlinelm.runtime.bridge import SLICE_SIZE
+from tests.runtime.helpers import (
+    RunnerGate,
+    assert_drained,
+    echo_engine,
+    echo_text,
+    run,
+    wait_event,
+)
+
+NUM_STREAMS = 300
+
+
+def test_a_big_step_is_processed_in_slices_of_at_most_128_with_yields_between() -> None:
+    async def main() -> None:
+        async with echo_engine(max_num_seqs=512, max_num_batched_tokens=16384) as engine:
+            await engine.stream("creates this loop's bridge")
+            bridge = engine._dispatcher.bridges()[0]
+            process = bridge.processor.process_outputs
+            ticks = 0
+            slices: dict[float, list[tuple[int, int]]] = defaultdict(list)
+
+            def recording(outputs: list[Any], step_start: float) -> list[str]:
+                slices[step_start].append((len(outputs), ticks))
+                result: list[str] = process(outputs, step_start)
+                return result
+
+            bridge.processor.process_outputs = recording  # type: ignore[method-assign]
+            done = False
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while not done:
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            ticking = asyncio.create_task(ticker())
+            # One-token prompts, all admitted in the step after the blocked one: that step
+            # and the next have 300 outputs each.
+            prompts = [f"{i}" for i in range(NUM_STREAMS)]
+            with RunnerGate(engine) as gate:
+                gate.close()
+                first = engine.stream("held in a blocked step", max_tokens=None)
+                await wait_event(gate.entered)
+                streams = [engine.stream(p, max_tokens=None) for p in prompts]
+            outs = await asyncio.gather(*streams)
+            await first
+            done = True
+            await ticking
+            assert [o.text for o in outs] == [echo_text(engine, p) for p in prompts]
+            sizes = [n for step in slices.values() for n, _ in step]
+            assert max(sizes) == SLICE_SIZE == 128
+            big_steps = [step for step in slices.values() if sum(n for n, _ in step) > SLICE_SIZE]
+            assert big_steps, "no step had more than 128 outputs"
+            for step in big_steps:
+                assert all(n == SLICE_SIZE for n, _ in step[:-1])
+                tick_marks = [t for _, t in step]
+                # Other tasks ran between two slices of the same step.
+                assert all(a < b for a, b in itertools.pairwise(tick_marks))
+            await assert_drained(engine)
+
+    run(main())

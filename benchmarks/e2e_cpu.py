@@ -1,7 +1,7 @@
 """End to end on this CPU: the default model in fp32, inlinelm against transformers.
 
-(a) one request, 64 new tokens: TTFT and ms per decoded token (inlinelm; transformers
-    ``generate`` as the reference).
+(a) one request, 64 new tokens: TTFT and ms per decoded token, inlinelm and transformers
+    ``generate`` alternately, three times each (medians).
 (b) 32 concurrent requests with mixed prompt lengths (chat prompts with 0 to ~500 tokens of
     context), 64 new tokens each, all arriving at once: output tokens/s and TTFT p50/p99, for
     inlinelm (``Engine.stream``, token-id prompts), transformers ``generate`` (one static batch,
@@ -24,6 +24,7 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,14 @@ def make_prompts(tokenizer: Any, count: int, max_context: int) -> list[list[int]
 
 
 async def inlinelm_run(
-    prompts: list[list[int]], new_tokens: int, single: list[int]
+    prompts: list[list[int]],
+    new_tokens: int,
+    single: list[int],
+    *,
+    repeats: int = 3,
+    reference: Callable[[], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """(a) ``repeats`` times, alternating with ``reference`` (run off the loop), then (b)."""
     from inlinelm import Engine
     from inlinelm.sampling_params import SamplingParams
 
@@ -98,13 +105,18 @@ async def inlinelm_run(
             ttft = out.metrics.ttft
         return ids, ttft, times
 
+    singles: list[dict[str, Any]] = []
+    references: list[dict[str, Any]] = []
     try:
         await asyncio.gather(*(one(p) for p in prompts[:4]))  # warm-up
-        # (a) one request
-        t0 = time.perf_counter()
-        single_ids, single_ttft, single_times = await one(single)
-        a = _single_result(single_ttft, single_times, t0, new_tokens)
-        a["tokens"] = single_ids
+        # (a) one request, alternating with the reference (the engine thread idles meanwhile)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            single_ids, single_ttft, single_times = await one(single)
+            singles.append(_single_result(single_ttft, single_times, t0, new_tokens))
+            singles[-1]["tokens"] = single_ids
+            if reference is not None:
+                references.append(await asyncio.to_thread(reference))
         # (b) all at once
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(p) for p in prompts))
@@ -114,7 +126,20 @@ async def inlinelm_run(
     finally:
         await engine.aclose()
     b = _batch_result(outputs, ttfts, wall, new_tokens)
-    return {"load_s": load_s, "single": a, "batch": b}
+    return {
+        "load_s": load_s,
+        "single": _median_run(singles),
+        "batch": b,
+        "reference_single": _median_run(references) if references else None,
+    }
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median ms per token, and every run's ms per token."""
+    ordered = sorted(runs, key=lambda r: r["ms_per_token"])
+    chosen = dict(ordered[len(ordered) // 2])
+    chosen["runs_ms_per_token"] = [round(r["ms_per_token"], 2) for r in runs]
+    return chosen
 
 
 def _single_result(
@@ -193,6 +218,7 @@ def hf_static(
     return {
         "wall_s": end - t0,
         "ttft": ttft,
+        "ttft_ms": ttft * 1e3,
         "ms_per_token": (end - clock.times[0]) / (new_tokens - 1) * 1e3,
         "tokens": generated,
     }
@@ -255,6 +281,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--max-context", type=int, default=500)
+    parser.add_argument("--repeats", type=int, default=3, help="(a) runs per system")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
@@ -273,20 +300,27 @@ def main() -> None:
         flush=True,
     )
 
-    ours = asyncio.run(inlinelm_run(prompts, n, single))
-    print(f"  inlinelm done (load {ours['load_s']:.1f} s)", flush=True)
+    reference = None
+    if not args.skip_transformers:
+        hf_static(model, tokenizer, [single], 4)  # warm-up
+
+        def reference() -> dict[str, Any]:
+            run = hf_static(model, tokenizer, [single], n)
+            run["tokens"] = run["tokens"][0]
+            return run
+
+    ours = asyncio.run(inlinelm_run(prompts, n, single, repeats=args.repeats, reference=reference))
+    print(f"  inlinelm and (a) done (load {ours['load_s']:.1f} s)", flush=True)
     gc.collect()
+    s1 = ours.pop("reference_single")
     report: dict[str, Any] = {
         "new_tokens": n,
         "requests": args.requests,
         "prompt_tokens": [len(p) for p in prompts],
         "torch_threads": torch.get_num_threads(),
-        "inlinelm": {k: v for k, v in ours.items()},
+        "inlinelm": ours,
     }
-    if not args.skip_transformers:
-        hf_static(model, tokenizer, [single], 4)  # warm-up
-        s1 = hf_static(model, tokenizer, [single], n)
-        print("  transformers generate (1) done", flush=True)
+    if s1 is not None:
         sb = hf_static(model, tokenizer, prompts, n)
         print("  transformers generate (32) done", flush=True)
         hf_continuous(model, prompts[:2], 4, 2048)  # warm-up
@@ -294,9 +328,7 @@ def main() -> None:
         print("  transformers continuous batching done", flush=True)
         report["transformers_generate"] = {
             "single": {
-                "ttft_ms": s1["ttft"] * 1e3,
-                "ms_per_token": s1["ms_per_token"],
-                "tokens": s1["tokens"][0],
+                k: s1[k] for k in ("ttft_ms", "ms_per_token", "runs_ms_per_token", "tokens")
             },
             "batch": {
                 "wall_s": sb["wall_s"],
@@ -307,12 +339,7 @@ def main() -> None:
             },
         }
         report["transformers_continuous"] = {
-            "batch": {
-                **{
-                    k: v
-                    for k, v in _batch_result(cb["tokens"], cb["ttfts"], cb["wall_s"], n).items()
-                },
-            }
+            "batch": _batch_result(cb["tokens"], cb["ttfts"], cb["wall_s"], n)
         }
     report["load_average"] = load_average()
     summarize(report)
@@ -365,12 +392,13 @@ def _without_tokens(value: Any) -> Any:
 def print_table(report: dict[str, Any]) -> None:
     n, r = report["new_tokens"], report["requests"]
     print(f"\n(a) one request, {n} new tokens, fp32, load average {report['load_average']}")
-    print(f"{'system':<32} {'TTFT ms':>9} {'ms/token':>9}")
+    print(f"{'system':<32} {'TTFT ms':>9} {'ms/token':>9}  runs (ms/token)")
     rows = [("inlinelm", report["inlinelm"]["single"])]
     if "transformers_generate" in report:
         rows.append(("transformers generate", report["transformers_generate"]["single"]))
     for name, s in rows:
-        print(f"{name:<32} {s['ttft_ms']:>9.1f} {s['ms_per_token']:>9.2f}")
+        runs = ", ".join(f"{x:.1f}" for x in s.get("runs_ms_per_token", []))
+        print(f"{name:<32} {s['ttft_ms']:>9.1f} {s['ms_per_token']:>9.2f}  {runs}")
     print(f"\n(b) {r} concurrent requests, mixed prompt lengths, {n} new tokens each")
     print(f"{'system':<32} {'tokens/s':>9} {'wall s':>7} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11}")
     rows = [("inlinelm", report["inlinelm"]["batch"])]

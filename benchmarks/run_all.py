@@ -24,7 +24,7 @@ BENCHMARKS: list[tuple[str, str, list[str], int]] = [
     ("frontend", "frontend.py", [], 150),
     ("interference", "interference.py", [], 150),
     ("detok", "detok.py", [], 90),
-    ("e2e_cpu", "e2e_cpu.py", [], 330),
+    ("e2e_cpu", "e2e_cpu.py", [], 480),
 ]
 
 

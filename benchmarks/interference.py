@@ -366,12 +366,14 @@ async def serve_and_measure(args: argparse.Namespace) -> dict[str, Any]:
                     daemon=True,
                 )
                 recorder.take()
+                loop_cpu = time.thread_time()  # this is the event loop's thread
                 proc.start()
                 child_conn.close()
                 recorder.recording = True
                 # NOTE: wait in a thread, so the loop keeps serving while the clients run.
                 client = await asyncio.to_thread(_receive, parent_conn, args.timeout + 30)
                 recorder.recording = False
+                loop_cpu = time.thread_time() - loop_cpu
                 await asyncio.to_thread(proc.join, 10)
                 if proc.is_alive():
                     proc.kill()
@@ -381,6 +383,9 @@ async def serve_and_measure(args: argparse.Namespace) -> dict[str, Any]:
                     summarize(batch, interval, args, client, recorder.take(), before, after)
                 )
                 rows[-1]["alone"] = alone[batch]
+                rows[-1]["loop_cpu_s"] = loop_cpu
+                rows[-1]["loop_cpu_us_per_frame"] = loop_cpu / max(rows[-1]["frames"], 1) * 1e6
+                rows[-1]["loop_busy"] = loop_cpu / client["wall_s"]
                 r = rows[-1]
                 print(
                     f"  B={batch:<4} switch={interval * 1e3:g} ms: stretch {r.get('stretch', float('nan')):.3f}, "
@@ -450,12 +455,12 @@ def print_table(report: dict[str, Any]) -> None:
     cols = (
         f"{'B':>4} {'switch':>6} {'alone':>6} {'period p50':>10} {'p99':>6} {'stretch':>7} {'eng cpu':>7} "
         f"{'wait':>6} {'ITL p50':>7} {'p99':>6} {'TTFT p50':>8} {'merged':>7} {'coal.st':>7} "
-        f"{'lag mean':>8} {'lag p99<=':>9} {'done':>5}"
+        f"{'lag mean':>8} {'lag p99<=':>9} {'loop µs':>8} {'busy':>5} {'done':>5}"
     )
     print(cols)
     print(
         f"{'':>4} {'ms':>6} {'strch':>6} {'ms':>10} {'ms':>6} {'':>7} {'ms':>7} {'ms':>6} {'ms':>7} {'ms':>6} "
-        f"{'ms':>8} {'':>7} {'':>7} {'ms':>8} {'ms':>9}"
+        f"{'ms':>8} {'':>7} {'':>7} {'ms':>8} {'ms':>9} {'/frame':>8}"
     )
     for r in report["rows"]:
         lag = r["loop_lag"]
@@ -466,14 +471,16 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r.get('engine_cpu_ms_per_step', float('nan')):>7.2f} {r.get('other_wait_ms_per_step', float('nan')):>6.2f} "
             f"{r['itl_ms_p50']:>7.2f} {r['itl_ms_p99']:>6.2f} {r['ttft_ms_p50']:>8.1f} "
             f"{r['merged_outputs']:>7} {r['coalesced_steps']:>7} {lag.get('mean_ms', 0):>8.2f} "
-            f"{lag.get('p99_le_ms', 0):>9.1f} {r['complete_streams']:>5}"
+            f"{lag.get('p99_le_ms', 0):>9.1f} {r['loop_cpu_us_per_frame']:>8.1f} "
+            f"{r['loop_busy']:>5.0%} {r['complete_streams']:>5}"
         )
     for interval, first in report["coalescing_starts_at"].items():
         print(f"switch interval {interval} ms: frontend starts coalescing at B = {first}")
     print(
         "alone = stretch of the same engine thread with no frontend (sink drops batches); "
         "stretch = median step period / 4.5 ms; eng cpu = engine-thread CPU per step; wait = "
-        "period - 4.5 ms - eng cpu (GIL wait, sleep overshoot); ITL per client socket read"
+        "period - 4.5 ms - eng cpu (GIL wait, sleep overshoot); ITL per client socket read; "
+        "loop µs/frame = event-loop thread CPU per content frame sent, busy = its CPU / wall"
     )
 
 
@@ -499,6 +506,14 @@ def plot(report: dict[str, Any]) -> None:
         ax2.plot(
             bs, [r["itl_ms_p99"] for r in rows], "x--", label=f"ITL p99, switch {interval:g} ms"
         )
+    first = next(iter(by_interval.values()))
+    ax1.plot(
+        [r["batch"] for r in first],
+        [r["alone"].get("stretch", float("nan")) for r in first],
+        "s:",
+        color="gray",
+        label="engine alone (no frontend)",
+    )
     ax1.axhline(TARGET_STRETCH, color="red", linestyle="--", label="target 1.10")
     ax1.set_xlabel("concurrent streams B")
     ax1.set_ylabel("step period / 4.5 ms")

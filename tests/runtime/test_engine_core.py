@@ -251,3 +251,18 @@ def test_abort_after_finish_is_ignored() -> None:
     stop_core(core)
     assert len(sink.batches) == num_batches
     assert sink.finished["a"] is FinishReason.STOP
+
+
+def test_shutdown_drained_mid_step_of_the_last_work_does_not_block() -> None:
+    """A Shutdown taken while the final step of the last request runs ends the thread."""
+    config = make_config()
+    runner = GatedRunner(config, 64, EOS, gate_step=1)
+    sink = Sink()
+    core = start_core(runner, sink, config)
+    core.add_request(make_request("a", [10, 11, 12], max_tokens=1))
+    assert runner.entered.wait(WAIT_S)
+    core.put(Shutdown())
+    runner.release.set()
+    assert core.join(WAIT_S)
+    assert sink.tokens["a"] == [10]
+    assert runner.closed

@@ -169,7 +169,7 @@ class EngineCore:
             self._sink(EngineCoreOutputs(outputs=[], step_index=self._step_index, error=error))
 
     def _loop(self) -> None:
-        while True:
+        while not self._shutdown:  # NOTE: a Shutdown drained mid-step must not block below.
             busy = self.scheduler.has_unfinished_requests()
             self._drain_inputs(block=not busy and not self._pending)
             if self._shutdown:

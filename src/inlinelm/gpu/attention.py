@@ -8,7 +8,7 @@ attends over the sequence's whole context through its block table.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +28,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int64
     max_query_len: int
     max_seq_len: int
-    # Derived by the backend's prepare() for its own use.
-    gather_slots: torch.Tensor | None = None  # [B, max_seq_len] flat slots of each context position
-    attn_mask: torch.Tensor | None = None  # [B, 1, max_query_len, max_seq_len] bool
-    query_index: torch.Tensor | None = None  # [T] position of each token in the padded [B * max_q]
+    # Derived once per step by the backend's prepare(), for its own use.
+    plan: Any = None
 
 
 class AttentionBackend(Protocol):
@@ -53,11 +51,40 @@ class AttentionBackend(Protocol):
         ...
 
 
-class TorchAttention:
-    """Vectorised CPU attention: pad queries per sequence, gather the context, one SDPA call.
+@dataclass(slots=True)
+class _DecodeGroup:
+    """Sequences with one query token: one batched SDPA call, keys masked past each length."""
 
-    No Python loop over tokens or sequences. Padded key positions point at a real slot and
-    are masked; padded query rows attend to position 0 so they never produce NaN.
+    token_index: torch.Tensor  # [Bd] rows of the flat batch
+    block_tables: torch.Tensor  # [Bd, nb]
+    key_mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] bool, None when all full
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """One prefill chunk: its own SDPA call, causal against its cached prefix."""
+
+    start: int
+    end: int
+    seq_len: int
+    block_table: torch.Tensor  # [nb]
+    mask: torch.Tensor | None  # [q, seq_len] bool; None means plain causal (no prefix)
+
+
+@dataclass(slots=True)
+class _Plan:
+    block_size: int
+    decode: _DecodeGroup | None
+    chunks: list[_Chunk]
+
+
+class TorchAttention:
+    """CPU attention over the paged cache with torch's SDPA.
+
+    Decode tokens of all sequences share one SDPA call; each prefill chunk gets its own
+    (causal, or bottom-right causal when part of its context is cached), so no sequence is
+    padded to the longest one. The context is gathered a block at a time. The Python loop
+    runs over prefill chunks of a step (bounded by the token budget), never over tokens.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -67,22 +94,49 @@ class TorchAttention:
         self.scale = head_dim**-0.5
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        """Compute the gather slots, the causal mask and the query scatter index."""
+        """Split the step into the decode group and the prefill chunks."""
+        starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        single = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+        chunks = [
+            self._chunk(meta, i, starts[i], starts[i + 1], seq_lens[i], block_size)
+            for i in range(len(seq_lens))
+            if starts[i + 1] - starts[i] > 1
+        ]
+        decode = (
+            self._decode_group(meta, single, [seq_lens[i] for i in single], block_size)
+            if single
+            else None
+        )
+        meta.plan = _Plan(block_size, decode, chunks)
+
+    def _decode_group(
+        self, meta: AttentionMetadata, rows: list[int], lens: list[int], block_size: int
+    ) -> _DecodeGroup:
         device = meta.seq_lens.device
-        positions = torch.arange(meta.max_seq_len, device=device)
-        block_index = (positions // block_size).clamp_(max=meta.block_tables.shape[1] - 1)
-        blocks = meta.block_tables[:, block_index]
-        meta.gather_slots = blocks * block_size + positions % block_size
-        query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-        meta.query_index, query_pos = _query_layout(meta, query_lens)
-        # Query j of sequence i sits at absolute position seq_len - query_len + j.
-        key_pos = positions.view(1, 1, -1)
-        first = (meta.seq_lens - query_lens).view(-1, 1, 1)
-        q_abs = first + query_pos.view(1, -1, 1)
-        valid_q = query_pos.view(1, -1, 1) < query_lens.view(-1, 1, 1)
-        mask = (key_pos <= q_abs) & valid_q
-        mask[:, :, 0] |= ~valid_q[:, :, 0]
-        meta.attn_mask = mask.unsqueeze(1)
+        num_blocks = -(-max(lens) // block_size)
+        index = torch.tensor(rows, device=device)
+        key_mask = None
+        if min(lens) != num_blocks * block_size:
+            positions = torch.arange(num_blocks * block_size, device=device)
+            key_mask = (positions.view(1, -1) < meta.seq_lens[index].view(-1, 1)).view(
+                len(rows), 1, 1, -1
+            )
+        return _DecodeGroup(
+            meta.query_start_loc[index], meta.block_tables[index, :num_blocks], key_mask
+        )
+
+    def _chunk(
+        self, meta: AttentionMetadata, row: int, start: int, end: int, seq_len: int, block_size: int
+    ) -> _Chunk:
+        num_blocks = -(-seq_len // block_size)
+        query_len = end - start
+        mask = None
+        if seq_len != query_len:
+            device = meta.seq_lens.device
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=device).view(-1, 1)
+            mask = torch.arange(seq_len, device=device).view(1, -1) <= q_pos
+        return _Chunk(start, end, seq_len, meta.block_tables[row, :num_blocks], mask)
 
     def forward(
         self,
@@ -93,36 +147,55 @@ class TorchAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """See :class:`AttentionBackend`."""
-        assert meta.gather_slots is not None and meta.attn_mask is not None
-        assert meta.query_index is not None
+        plan = meta.plan
+        assert isinstance(plan, _Plan)
         kv_cache[0].index_copy_(0, meta.slot_mapping, k)
         kv_cache[1].index_copy_(0, meta.slot_mapping, v)
-        keys = kv_cache[0][meta.gather_slots].transpose(1, 2)  # [B, KVH, L, D]
-        values = kv_cache[1][meta.gather_slots].transpose(1, 2)
-        num_seqs = meta.seq_lens.shape[0]
-        padded = q.new_zeros(num_seqs * meta.max_query_len, self.num_heads, self.head_dim)
-        padded[meta.query_index] = q
-        queries = padded.view(
-            num_seqs, meta.max_query_len, self.num_heads, self.head_dim
-        ).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.attn_mask, scale=self.scale, enable_gqa=True
-        )
-        out = out.transpose(1, 2).reshape(
-            num_seqs * meta.max_query_len, self.num_heads, self.head_dim
-        )
-        return out[meta.query_index]
+        blocks = kv_cache.view(2, -1, plan.block_size, self.num_kv_heads, self.head_dim)
+        out = torch.empty_like(q)
+        if plan.decode is not None:
+            self._attend_decode(q, blocks, plan.decode, out)
+        for chunk in plan.chunks:
+            self._attend_chunk(q, blocks, chunk, out)
+        return out
 
+    def _attend_decode(
+        self, q: torch.Tensor, blocks: torch.Tensor, group: _DecodeGroup, out: torch.Tensor
+    ) -> None:
+        count = group.token_index.shape[0]
+        keys = (
+            blocks[0][group.block_tables]
+            .view(count, -1, self.num_kv_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        values = (
+            blocks[1][group.block_tables]
+            .view(count, -1, self.num_kv_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        queries = q[group.token_index].unsqueeze(2)  # [Bd, H, 1, D]
+        result = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=group.key_mask, scale=self.scale, enable_gqa=True
+        )
+        out[group.token_index] = result.squeeze(2)
 
-def _query_layout(
-    meta: AttentionMetadata, query_lens: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index of each flat token in the padded [B * max_q] layout, and the padded positions."""
-    device = query_lens.device
-    num_tokens = int(meta.query_start_loc[-1])
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(query_lens.shape[0], device=device), query_lens, output_size=num_tokens
-    )
-    offset = torch.arange(num_tokens, device=device) - meta.query_start_loc[seq_of_token]
-    index = seq_of_token * meta.max_query_len + offset
-    return index, torch.arange(meta.max_query_len, device=device)
+    def _attend_chunk(
+        self, q: torch.Tensor, blocks: torch.Tensor, chunk: _Chunk, out: torch.Tensor
+    ) -> None:
+        keys = blocks[0][chunk.block_table].view(1, -1, self.num_kv_heads, self.head_dim)[
+            :, : chunk.seq_len
+        ]
+        values = blocks[1][chunk.block_table].view(1, -1, self.num_kv_heads, self.head_dim)[
+            :, : chunk.seq_len
+        ]
+        queries = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        result = F.scaled_dot_product_attention(
+            queries,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        out[chunk.start : chunk.end] = result[0].transpose(0, 1)

@@ -18,7 +18,10 @@ from inlinelm.api.sse import (
     EventStreamResponse,
     StreamPlan,
     StreamTally,
+    TextFrame,
+    encode,
     event_stream,
+    frame,
     merge_streams,
 )
 from inlinelm.errors import SlowConsumerError
@@ -94,7 +97,10 @@ def plan(
 
 def collect(streams: list[FakeStream], stream_plan: StreamPlan) -> list[Any]:
     async def run() -> list[Any]:
-        return [f if f == DONE else json.loads(f) async for f in event_stream(streams, stream_plan)]
+        frames = [f async for f in event_stream(streams, stream_plan)]
+        assert all(f.startswith(b"data: ") and f.endswith(b"\n\n") for f in frames)
+        payloads = [f[6:-2].decode() for f in frames]
+        return [p if p == DONE else json.loads(p) for p in payloads]
 
     return asyncio.run(run())
 
@@ -174,8 +180,8 @@ def test_completions_index_choices_per_prompt_and_echo() -> None:
     stream_plan, _, _ = plan(fmt, n=2)
     frames = collect([first, second], stream_plan)
     by_index: dict[int, list[dict[str, Any]]] = {}
-    for frame in frames[:-1]:
-        (c,) = frame["choices"]
+    for chunk in frames[:-1]:
+        (c,) = chunk["choices"]
         by_index.setdefault(c["index"], []).append(c)
     assert [c["text"] for c in by_index[0]] == ["P0", "y"]
     assert [c["text"] for c in by_index[3]] == ["P1", "w"]
@@ -234,3 +240,19 @@ def test_event_stream_response_closes_its_generator_when_the_response_ends(how: 
         assert finalized == ["closed"]
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "text", ["Hello", 'quote " and \\ backslash', "emoji 🐦 早上好\n\ttab", "\x00\x1f ctl"]
+)
+@pytest.mark.parametrize("usage", [False, True])
+@pytest.mark.parametrize("reason", [None, "stop", "length"])
+def test_text_frame_fast_path_equals_the_generic_chunk(
+    text: str, usage: bool, reason: str | None
+) -> None:
+    header = ResponseHeader("chatcmpl-abc", "default", 1700000000, include_usage=usage)
+    fast = TextFrame.for_chat(header, "chat.completion.chunk").render(3, text, reason)
+    generic = frame(
+        encode(header.chunk("chat.completion.chunk", [chat_format().delta(3, text, None, reason)]))
+    )
+    assert fast == generic

@@ -44,6 +44,7 @@ from inlinelm.api.sse import (
     OutputStream,
     StreamPlan,
     StreamTally,
+    TextFrame,
     event_stream,
 )
 from inlinelm.errors import EngineError, QueueFullError, RequestError, RequestFailedError
@@ -175,8 +176,17 @@ class OpenAIEndpoints:
         arrival: float,
     ) -> Response:
         tally = StreamTally(arrival)
+        text_frame = None
+        if isinstance(fmt, ChatFormat) and not fmt.logprobs:
+            text_frame = TextFrame.for_chat(header, fmt.chunk_object)
         plan = StreamPlan(
-            header, fmt, n, self.engine.metrics, tally, lambda t: log_streamed(header.id, t)
+            header,
+            fmt,
+            n,
+            self.engine.metrics,
+            tally,
+            lambda t: log_streamed(header.id, t),
+            text_frame,
         )
         return EventStreamResponse(event_stream(streams, plan), ping_s=self.sse_ping_s)
 

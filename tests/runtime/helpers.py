@@ -83,14 +83,22 @@ def num_live_states(engine: Engine) -> tuple[int, int]:
 
 
 def is_drained(engine: Engine) -> bool:
-    """No request anywhere: no state, no queued count, nothing scheduled, every block free."""
+    """No request anywhere: no state, no queued count, nothing scheduled, every block free.
+
+    The published stats alone can be stale (they are taken after each step, so during a step
+    blocked in ``execute`` they still show the idle engine before it): the engine thread's
+    input queue and scheduler must be empty too, i.e. every abort has really been applied.
+    """
     assert engine._loaded is not None
-    core = engine._loaded.core.stats
+    core = engine._loaded.core
+    stats = core.stats
     return (
         num_live_states(engine) == (0, 0)
         and engine.stats()["num_queued"] == 0
-        and core.num_running == 0
-        and core.num_waiting == 0
+        and core._inputs.empty()
+        and not core.scheduler.has_unfinished_requests()
+        and stats.num_running == 0
+        and stats.num_waiting == 0
         and engine.num_free_kv_blocks == engine.num_kv_blocks
     )
 

@@ -127,6 +127,27 @@ def test_a_request_queued_longer_than_max_queue_wait_gets_queue_timeout_error() 
     run(main())
 
 
+def test_a_request_stuck_behind_a_full_batch_times_out_and_the_running_one_finishes() -> None:
+    async def main() -> None:
+        # One sequence at a time: the second request waits in the scheduler's queue.
+        async with echo_engine(max_num_seqs=1, echo_step_s=0.002, max_queue_wait_s=0.2) as engine:
+            running = engine.stream("holds the only slot", ignore_eos=True, max_tokens=400)
+            reader = asyncio.create_task(_result(running))
+            waiting = engine.stream("waits for the slot", max_tokens=None)
+            with pytest.raises(QueueTimeoutError):
+                await asyncio.wait_for(waiting, WAIT_S)
+            out = await asyncio.wait_for(reader, WAIT_S)
+            assert out.finish_reason == "length"
+            assert len(out.token_ids) == 400
+            await assert_drained(engine)
+
+    run(main())
+
+
+async def _result(stream: Any) -> Any:
+    return await stream
+
+
 def test_the_queue_wait_limit_does_not_touch_a_request_that_started() -> None:
     async def main() -> None:
         # 60 steps of 10 ms: the request runs well past max_queue_wait_s once started.

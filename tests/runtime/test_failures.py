@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import threading
 import time
 
 import pytest
@@ -82,6 +83,43 @@ def test_engine_death_reaches_all_200_waiting_streams_within_a_second() -> None:
     run(main())
 
 
+def test_death_reaches_the_streams_of_every_loop() -> None:
+    engine = echo_engine(echo_step_s=0.001)
+    engine.start_sync()
+    failure = RunnerFailure(engine)
+    barrier = threading.Barrier(3, timeout=WAIT_S)
+    errors: dict[str, BaseException] = {}
+
+    async def serve(name: str) -> None:
+        streams = [
+            engine.stream(f"loop {name} stream {i}", ignore_eos=True, max_tokens=5000)
+            for i in range(20)
+        ]
+        await asyncio.to_thread(barrier.wait)  # every loop has streams in flight
+        results = await asyncio.gather(*streams, return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+
+    def body(name: str) -> None:
+        try:
+            run(serve(name), timeout=WAIT_S * 1.5)
+        except BaseException as e:
+            errors[name] = e
+
+    threads = [threading.Thread(target=body, args=(n,), name=f"loop-{n}") for n in "AB"]
+    try:
+        for t in threads:
+            t.start()
+        barrier.wait()
+        failure.arm()
+        for t in threads:
+            t.join(WAIT_S * 2)
+        assert not any(t.is_alive() for t in threads), "a loop hangs after the engine died"
+        assert errors == {}
+        assert not engine.healthy
+    finally:
+        engine.close()
+
+
 def test_chat_on_a_dead_engine_raises_engine_dead_error() -> None:
     async def main() -> None:
         async with echo_engine(echo_step_s=0.001) as engine:
@@ -129,7 +167,7 @@ def test_a_step_longer_than_step_timeout_marks_the_engine_stuck_until_it_returns
                         await wait_until(lambda: engine.healthy, what="health to come back")
                     if reads == 6:
                         break
-            await assert_drained(engine)  # the abort lands before close (see test_lifecycle)
+            await assert_drained(engine)
             assert engine.health() == (True, "ok")
 
     run(main())

@@ -264,11 +264,6 @@ def test_invalid_overrides_raise_from_stream_and_register_nothing() -> None:
     run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Engine.stream() does not enforce EngineConfig.max_n / max_logprobs (only the "
-    "HTTP router does), so a library caller can ask for n or logprobs past the engine's limits",
-)
 def test_engine_limits_on_n_and_logprobs_are_enforced_by_stream() -> None:
     async def main() -> None:
         async with echo_engine(max_n=4, max_logprobs=5) as engine:

@@ -23,7 +23,7 @@ class RequestOutputCollector:
     __slots__ = (
         "_delta",
         "_output",
-        "_ready",
+        "_waiter",
         "backlog_chars",
         "max_backlog_chars",
         "num_merges",
@@ -33,7 +33,8 @@ class RequestOutputCollector:
     def __init__(self, *, delta: bool, max_backlog_chars: int) -> None:
         self._delta = delta
         self._output: RequestOutput | BaseException | None = None
-        self._ready = asyncio.Event()
+        # NOTE: a bare future, not an asyncio.Event: one waiter at most, and half the cost.
+        self._waiter: asyncio.Future[None] | None = None
         self.num_merges = 0
         self.pending_merges = 0
         self.backlog_chars = 0
@@ -44,7 +45,9 @@ class RequestOutputCollector:
         current = self._output
         if current is None or isinstance(output, BaseException):
             self._output = output
-            self._ready.set()
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
             return True
         if isinstance(current, BaseException):
             return True  # NOTE: an error already waits; it wins over later outputs.
@@ -57,7 +60,6 @@ class RequestOutputCollector:
         if output is None:
             return None
         self._output = None
-        self._ready.clear()
         self.pending_merges = 0
         self.backlog_chars = 0
         if isinstance(output, BaseException):
@@ -67,7 +69,11 @@ class RequestOutputCollector:
     async def get(self) -> RequestOutput:
         """Wait for the next output; raises the exception put in its place."""
         while self._output is None:
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         output = self.get_nowait()
         assert output is not None
         return output

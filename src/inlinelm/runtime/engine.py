@@ -256,6 +256,7 @@ class Engine:
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         self._check_usable()
+        self._check_limits(params)
         stream = RequestStream(
             rid,
             lambda: self._submit_lazily(source, params, rid, arrival),
@@ -391,6 +392,16 @@ class Engine:
             for i, cid in enumerate(child_ids)
         ]
         return parent, children
+
+    def _check_limits(self, params: SamplingParams) -> None:
+        """The engine's own caps on what one request may ask for."""
+        if params.n > self.config.max_n:
+            raise RequestError(f"n must be at most {self.config.max_n} on this engine", param="n")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise RequestError(
+                f"logprobs must be at most {self.config.max_logprobs} on this engine",
+                param="logprobs",
+            )
 
     def _admit_count(self) -> None:
         limit = self.config.max_queued_requests

@@ -34,6 +34,7 @@ class RequestStream:
         self._whole: RequestOutput | None = None
         self._done = False
         self._closed = False
+        self._keep_whole = False  # only ``await stream`` needs the whole output
 
     def _attach(self, collector: RequestOutputCollector) -> None:
         self._collector = collector
@@ -59,7 +60,8 @@ class RequestStream:
             self._collector = collector
             while not self._done:
                 out = collector.get_nowait() or await collector.get()
-                self._accumulate(out)
+                if self._keep_whole:
+                    self._accumulate(out)
                 self._done = out.finished
                 yield out
         finally:
@@ -67,6 +69,7 @@ class RequestStream:
             self._close()
 
     async def _result(self) -> RequestOutput:
+        self._keep_whole = True
         async for _ in self:
             pass
         assert self._whole is not None
@@ -100,7 +103,7 @@ def _fold(choices: list[CompletionOutput], new: CompletionOutput, *, delta: bool
         if old.index == new.index:
             if delta:
                 old.text += new.text
-                old.token_ids = old.token_ids + new.token_ids
+                old.token_ids.extend(new.token_ids)
                 if new.logprobs is not None:
                     old.logprobs = (old.logprobs or []) + new.logprobs
                 old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason

@@ -8,8 +8,6 @@ import asyncio
 import random
 from typing import Any
 
-import pytest
-
 from inlinelm import RequestStream, SamplingParams, SlowConsumerError
 from inlinelm.sched.output import EngineCoreOutput, EngineCoreOutputs
 from inlinelm.sched.request import Request
@@ -199,11 +197,6 @@ def test_outputs_for_unknown_ids_are_dropped() -> None:
     run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: RequestStream.aclose() called from another task removes the request's state "
-    "but leaves the task reading the stream waiting on its collector forever",
-)
 def test_aclose_from_another_task_ends_the_reader() -> None:
     async def main() -> None:
         async with echo_engine(echo_step_s=0.001) as engine:

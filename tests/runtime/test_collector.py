@@ -37,7 +37,7 @@ def output(
 
 
 def collector(*, delta: bool = True, max_backlog: int = 1 << 20) -> RequestOutputCollector:
-    return RequestOutputCollector(delta=delta, max_backlog_chars=max_backlog)
+    return RequestOutputCollector(delta=delta, max_backlog_bytes=max_backlog)
 
 
 def test_empty_slot_gives_none_and_one_put_gives_that_output() -> None:
@@ -137,9 +137,9 @@ def test_a_backlog_over_the_limit_reports_overflow() -> None:
     assert c.put(output((0, "12345", [1])))
     assert c.put(output((0, "12345", [2])))  # exactly 10 characters wait: still fine
     assert not c.put(output((0, "6", [3])))
-    assert c.backlog_chars == 11
+    assert c.backlog_bytes == 11
     c.get_nowait()
-    assert c.backlog_chars == 0
+    assert c.backlog_bytes == 0
     assert c.pending_merges == 0
 
 

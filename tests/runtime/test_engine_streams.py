@@ -121,11 +121,6 @@ def test_final_only_gives_exactly_one_output() -> None:
     run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: final_only with n > 1 emits one output per choice as each finishes "
-    "(OutputProcessor._process_one/_emit do not wait for the parent to finish)",
-)
 def test_final_only_with_n_choices_gives_one_output_holding_every_choice() -> None:
     async def main() -> None:
         async with echo_engine(echo_step_s=0.002) as engine:

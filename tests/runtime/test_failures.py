@@ -173,11 +173,6 @@ def test_a_step_longer_than_step_timeout_marks_the_engine_stuck_until_it_returns
     run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Engine.health() only counts requests from the stats published after the last "
-    "step, so the first step after an idle period can block forever and health stays ok",
-)
 def test_a_first_step_after_idle_that_blocks_is_reported_stuck() -> None:
     async def main() -> None:
         async with echo_engine(step_timeout_s=0.2) as engine:
@@ -264,12 +259,6 @@ def test_a_slow_consumer_does_not_delay_the_others_and_its_merges_are_counted() 
     run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: OutputProcessor._process_one calls _observe_finished (which adds "
-    "collector.num_merges to stats) before _emit puts the final output, so the merge of the "
-    "final output is never counted in stats()['num_merged_outputs']",
-)
 def test_stats_count_every_merge_of_a_finished_request() -> None:
     async def main() -> None:
         async with echo_engine(echo_step_s=0.002) as engine:
@@ -330,12 +319,6 @@ def test_a_reader_past_the_backlog_limit_gets_slow_consumer_error_and_others_fin
     run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the backlog limit is compared with len(str) (characters): "
-    "Engine._make_states passes max_stream_backlog_bytes as the collector's max_backlog_chars, "
-    "so non-ASCII text can pile up to 4x the configured bytes",
-)
 def test_the_backlog_limit_counts_bytes_not_characters() -> None:
     async def main() -> None:
         async with echo_engine(echo_step_s=0.001, max_stream_backlog_bytes=300) as engine:

@@ -167,11 +167,6 @@ def test_close_returns_when_it_arrives_in_the_step_that_aborts_the_last_request(
     run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: after close() the LoadedEngine (core → runner: weights and KV cache) stays "
-    "reachable from Engine._start_future and the weakref.finalize registry entry",
-)
 def test_close_frees_the_runner_even_while_the_engine_object_lives() -> None:
     engine = echo_engine()
 
@@ -186,12 +181,6 @@ def test_close_frees_the_runner_even_while_the_engine_object_lives() -> None:
     assert runner() is None, "the runner (model weights, KV cache) outlived close()"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: LoopBridge gets bound methods of the Engine (_abort_ids, _on_started, "
-    "_observe_step), and the engine thread's sink holds the dispatcher holding the bridges, "
-    "so an Engine dropped without close() is never collected and its thread never stops",
-)
 def test_an_engine_dropped_without_close_is_collected_and_its_thread_stops() -> None:
     async def main() -> None:
         engine = echo_engine()

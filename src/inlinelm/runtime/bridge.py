@@ -13,6 +13,7 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from inlinelm.errors import EngineDeadError
@@ -34,13 +35,12 @@ class LoopBridge:
         loop: asyncio.AbstractEventLoop,
         abort: Callable[[list[str]], None],
         on_started: Callable[[ParentRequest], None],
-        on_step: Callable[[EngineCoreOutputs], None],
         metrics: EngineMetrics,
     ) -> None:
         self.loop = loop
         self.processor = OutputProcessor(on_started, metrics)
         self._abort = abort
-        self._on_step = on_step
+        self._metrics = metrics
         self._batches: collections.deque[EngineCoreOutputs] = collections.deque()
         self._wake_pending = False
         self._lock = threading.Lock()
@@ -98,7 +98,9 @@ class LoopBridge:
             dead.__cause__ = batch.error
             self.processor.fail_all(dead)
             return
-        self._on_step(batch)
+        self._metrics.observe_step(
+            batch.step_end - batch.step_start, time.perf_counter() - batch.step_end
+        )
         outputs = batch.outputs
         for start in range(0, len(outputs), SLICE_SIZE):
             if start:

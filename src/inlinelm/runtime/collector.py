@@ -24,21 +24,21 @@ class RequestOutputCollector:
         "_delta",
         "_output",
         "_waiter",
-        "backlog_chars",
-        "max_backlog_chars",
+        "backlog_bytes",
+        "max_backlog_bytes",
         "num_merges",
         "pending_merges",
     )
 
-    def __init__(self, *, delta: bool, max_backlog_chars: int) -> None:
+    def __init__(self, *, delta: bool, max_backlog_bytes: int) -> None:
         self._delta = delta
         self._output: RequestOutput | BaseException | None = None
         # NOTE: a bare future, not an asyncio.Event: one waiter at most, and half the cost.
         self._waiter: asyncio.Future[None] | None = None
         self.num_merges = 0
         self.pending_merges = 0
-        self.backlog_chars = 0
-        self.max_backlog_chars = max_backlog_chars
+        self.backlog_bytes = 0
+        self.max_backlog_bytes = max_backlog_bytes
 
     def put(self, output: RequestOutput | BaseException) -> bool:
         """Hand over ``output`` without blocking; return False if the backlog overflowed."""
@@ -52,7 +52,7 @@ class RequestOutputCollector:
         if isinstance(current, BaseException):
             return True  # NOTE: an error already waits; it wins over later outputs.
         self._merge(current, output)
-        return self.backlog_chars <= self.max_backlog_chars
+        return self.backlog_bytes <= self.max_backlog_bytes
 
     def get_nowait(self) -> RequestOutput | None:
         """Take the waiting output, or None; raises the waiting exception."""
@@ -61,7 +61,7 @@ class RequestOutputCollector:
             return None
         self._output = None
         self.pending_merges = 0
-        self.backlog_chars = 0
+        self.backlog_bytes = 0
         if isinstance(output, BaseException):
             raise output
         return output
@@ -87,7 +87,9 @@ class RequestOutputCollector:
         self.pending_merges += 1
         new.metrics.num_merged_outputs += 1
         if self._delta:
-            self.backlog_chars = sum(len(c.text) for c in current.outputs)
+            if self.pending_merges == 1:
+                self.backlog_bytes = _utf8_len(current) - _utf8_len(new)
+            self.backlog_bytes += _utf8_len(new)
         if self.pending_merges == BACKLOG_WARNING_MERGES:
             logger.warning(
                 "request %s: %d outputs merged while its reader lagged",
@@ -111,3 +113,7 @@ def _merge_choice(choices: list[CompletionOutput], new: CompletionOutput, *, del
         old.stop_reason = new.stop_reason
         return
     choices.append(new)
+
+
+def _utf8_len(output: RequestOutput) -> int:
+    return sum(len(c.text.encode()) for c in output.outputs)

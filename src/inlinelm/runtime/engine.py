@@ -26,9 +26,10 @@ from inlinelm.errors import (
 )
 from inlinelm.runtime.bridge import LoopBridge, OutputDispatcher
 from inlinelm.runtime.collector import RequestOutputCollector
+from inlinelm.runtime.core_handle import CoreHandle
 from inlinelm.runtime.loader import LoadedEngine, load_engine
 from inlinelm.runtime.metrics import EngineMetrics, PrometheusCollector
-from inlinelm.runtime.outputs import RequestMetrics, RequestOutput
+from inlinelm.runtime.outputs import RequestMetrics, RequestOutput, aborted_output
 from inlinelm.runtime.request_state import ParentRequest, RequestState
 from inlinelm.runtime.stream import RequestStream
 from inlinelm.sampling_params import OutputKind, SamplingParams
@@ -57,8 +58,8 @@ class Engine:
         self._start_future: concurrent.futures.Future[LoadedEngine] | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._num_queued_requests = 0
-        self._num_queued_tokens = 0
+        self._handle = CoreHandle()
+        self._finalizer: weakref.finalize[Any, Any] | None = None
         self._heartbeat = _Heartbeat(time.perf_counter())
 
     # -- life cycle ----------------------------------------------------------------------
@@ -87,8 +88,9 @@ class Engine:
         except BaseException as e:
             self._start_future.set_exception(e)
             return
-        finalizer = weakref.finalize(self, loaded.core.shutdown)
-        finalizer.atexit = False
+        self._finalizer = weakref.finalize(self, loaded.core.shutdown)
+        self._finalizer.atexit = False
+        self._handle.core = loaded.core
         self._loaded = loaded
         self._start_future.set_result(loaded)
 
@@ -116,6 +118,11 @@ class Engine:
                 loaded.core.shutdown()
                 loaded.core.join()
         self._fail_all_loops(EngineClosedError("the engine was closed"))
+        # NOTE: drop every path to the core (and so to the runner's weights and KV cache).
+        self._handle.core = None
+        self._start_future = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
         self._loaded = None
         gc.collect()
 
@@ -143,9 +150,11 @@ class Engine:
         loaded = self._loaded
         if loaded is None:
             return False, "starting"
-        stats = loaded.core.stats
+        # NOTE: busy is judged by the requests callers wait for, not by the core's stats,
+        # which are published after each step and so miss a first step that never ends.
+        busy = any(bridge.processor.parents for bridge in self._dispatcher.bridges())
         idle_for = time.perf_counter() - self._heartbeat.last
-        if stats.num_running + stats.num_waiting > 0 and idle_for > self.config.step_timeout_s:
+        if busy and idle_for > self.config.step_timeout_s:
             return False, f"stuck: no engine step finished for {idle_for:.1f} s"
         return True, "ok"
 
@@ -195,7 +204,7 @@ class Engine:
         return {
             "num_running": core.num_running if core else 0,
             "num_waiting": core.num_waiting if core else 0,
-            "num_queued": self._num_queued_requests,
+            "num_queued": self._handle.num_queued_requests,
             "kv_blocks_used": (core.num_kv_blocks - core.num_free_blocks) if core else 0,
             "kv_blocks_total": core.num_kv_blocks if core else 0,
             "prefix_cache_hit_rate": (core.num_prefix_hit_tokens / queried)
@@ -334,11 +343,12 @@ class Engine:
         loaded.admission.check_lengths(prompt_ids, params, source.param)
         self._admit_tokens(len(prompt_ids))
         loop = asyncio.get_running_loop()
-        bridge = self._dispatcher.bridge_for(loop, lambda: self._make_bridge(loop))
+        bridge = self._dispatcher.bridge_for(
+            loop,
+            lambda: LoopBridge(loop, self._handle.abort, self._handle.on_started, self.metrics),
+        )
         parent, children = self._make_states(loaded, rid, prompt_ids, params, arrival)
-        with self._lock:
-            self._num_queued_requests += 1
-            self._num_queued_tokens += len(prompt_ids)
+        self._handle.enqueue(parent)
         bridge.processor.add(parent, children)
         if self._dispatcher.fatal_error is not None or self._closed:
             self._drop(bridge, parent)
@@ -373,7 +383,7 @@ class Engine:
     ) -> tuple[ParentRequest, list[RequestState]]:
         delta = params.output_kind is OutputKind.DELTA
         collector = RequestOutputCollector(
-            delta=delta, max_backlog_chars=self.config.max_stream_backlog_bytes
+            delta=delta, max_backlog_bytes=self.config.max_stream_backlog_bytes
         )
         child_ids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
         parent = ParentRequest(
@@ -405,16 +415,16 @@ class Engine:
 
     def _admit_count(self) -> None:
         limit = self.config.max_queued_requests
-        if limit is not None and self._num_queued_requests >= limit:
+        if limit is not None and self._handle.num_queued_requests >= limit:
             raise QueueFullError(
-                f"too many queued requests ({self._num_queued_requests} >= max_queued_requests={limit})"
+                f"too many queued requests ({self._handle.num_queued_requests} >= max_queued_requests={limit})"
             )
 
     def _admit_tokens(self, num_tokens: int) -> None:
         limit = self.config.max_queued_tokens
-        if limit is not None and self._num_queued_tokens + num_tokens > limit:
+        if limit is not None and self._handle.num_queued_tokens + num_tokens > limit:
             raise QueueFullError(
-                f"too many queued prompt tokens ({self._num_queued_tokens} + {num_tokens} > max_queued_tokens={limit})"
+                f"too many queued prompt tokens ({self._handle.num_queued_tokens} + {num_tokens} > max_queued_tokens={limit})"
             )
 
     def _arm_queue_timeout(
@@ -441,45 +451,15 @@ class Engine:
             return
         for bridge in self._dispatcher.bridges():
             if bridge.loop is loop and rid in bridge.processor.parents:
-                self._drop(bridge, bridge.processor.parents[rid])
+                parent = bridge.processor.parents[rid]
+                open_choices = bridge.processor.open_choices(parent)
+                self._drop(bridge, parent)
+                # NOTE: a reader in another task must see the end, not wait forever.
+                parent.collector.put(aborted_output(parent, open_choices))
 
     def _drop(self, bridge: LoopBridge, parent: ParentRequest) -> None:
-        ids = bridge.processor.remove(parent)
-        self._unqueue(parent)
-        loaded = self._loaded
-        if ids and loaded is not None:
-            loaded.core.abort(ids)
-
-    def _unqueue(self, parent: ParentRequest) -> None:
-        if parent.queued:
-            parent.queued = False
-            with self._lock:
-                self._num_queued_requests -= 1
-                self._num_queued_tokens -= len(parent.prompt_token_ids)
-
-    # -- output side -----------------------------------------------------------------------
-
-    def _make_bridge(self, loop: asyncio.AbstractEventLoop) -> LoopBridge:
-        core_abort = self._abort_ids
-        return LoopBridge(loop, core_abort, self._on_started, self._observe_step, self.metrics)
-
-    def _on_started(self, parent: ParentRequest) -> None:
-        """A request's first token arrived: it left the queue; deferred choices may start."""
-        self._unqueue(parent)
-        if parent.deferred and self._loaded is not None:
-            for request in parent.deferred:
-                self._loaded.core.add_request(request)
-            parent.deferred = []
-
-    def _abort_ids(self, ids: list[str]) -> None:
-        loaded = self._loaded
-        if loaded is not None:
-            loaded.core.abort(ids)
-
-    def _observe_step(self, batch: EngineCoreOutputs) -> None:
-        self.metrics.observe_step(
-            batch.step_end - batch.step_start, time.perf_counter() - batch.step_end
-        )
+        self._handle.unqueue(parent)
+        self._handle.abort(bridge.processor.remove(parent))
 
     def _fail_all_loops(self, error: BaseException) -> None:
         for bridge in self._dispatcher.bridges():

@@ -39,6 +39,10 @@ class OutputProcessor:
             parent.timeout.cancel()
         return [cid for cid in parent.child_ids if self.states.pop(cid, None) is not None]
 
+    def open_choices(self, parent: ParentRequest) -> list[int]:
+        """Indices of the choices of ``parent`` that have not finished."""
+        return [self.states[cid].index for cid in parent.child_ids if cid in self.states]
+
     def process_outputs(self, outputs: list[EngineCoreOutput], step_start: float) -> list[str]:
         """Process one slice of a step's outputs; return engine ids to abort (stop strings, slow readers)."""
         now = time.perf_counter()
@@ -75,10 +79,11 @@ class OutputProcessor:
             parent.num_finished += 1
             if parent.finished:
                 self.remove(parent)
-                self._observe_finished(parent, finish_reason, now)
         elif not self._due(state):
             return
         self._emit(state, finish_reason, stop_reason, to_abort)
+        if finished and parent.finished:
+            self._observe_finished(parent, finish_reason, now)  # NOTE: after the last put
 
     def _observe_finished(self, parent: ParentRequest, reason: str | None, now: float) -> None:
         m = parent.metrics
@@ -136,9 +141,17 @@ class OutputProcessor:
             state.index, text, token_ids, finish_reason, stop_reason, logprobs
         )
         parent = state.parent
+        if state.output_kind is OutputKind.FINAL_ONLY:
+            # NOTE: one output for the whole request, holding every choice, at its very end.
+            parent.final_choices.append(choice)
+            if not parent.finished:
+                return
+            choices = sorted(parent.final_choices, key=lambda c: c.index)
+        else:
+            choices = [choice]
         output = RequestOutput(
             parent.request_id,
-            [choice],
+            choices,
             parent.finished,
             parent.prompt_token_ids,
             parent.metrics,
@@ -151,7 +164,7 @@ class OutputProcessor:
         to_abort.extend(self.remove(parent))
         parent.collector.put(
             SlowConsumerError(
-                f"request {parent.request_id}: reader fell behind by over {parent.collector.max_backlog_chars} characters"
+                f"request {parent.request_id}: reader fell behind by over {parent.collector.max_backlog_bytes} bytes"
             )
         )
 

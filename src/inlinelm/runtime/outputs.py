@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from inlinelm.sched.output import TokenLogprobs
 
@@ -87,3 +88,16 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[TokenLogprobs] | None:
         return self.outputs[0].logprobs if self.outputs else None
+
+
+def aborted_output(parent: Any, indices: list[int]) -> RequestOutput:
+    """The last output of a request its owner aborted: its open choices end with ``abort``."""
+    choices = [CompletionOutput(i, "", [], "abort") for i in indices]
+    return RequestOutput(
+        parent.request_id,
+        choices,
+        True,
+        parent.prompt_token_ids,
+        parent.metrics,
+        parent.num_cached_tokens,
+    )

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inlinelm.runtime.collector import RequestOutputCollector
-from inlinelm.runtime.outputs import RequestMetrics
+from inlinelm.runtime.outputs import CompletionOutput, RequestMetrics
 from inlinelm.sampling_params import OutputKind, SamplingParams
 from inlinelm.sched.output import TokenLogprobs
 from inlinelm.sched.request import Request
@@ -30,6 +30,8 @@ class ParentRequest:
     timeout: asyncio.TimerHandle | None = None
     # n > 1: engine requests of the other choices, sent once the first has its prompt cached.
     deferred: list[Request] = field(default_factory=list)
+    # final_only: the finished choices, delivered together when the last one ends.
+    final_choices: list[CompletionOutput] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -263,6 +263,12 @@ class Scheduler:
         self, request: Request, num_tokens: int, scheduled: list[ScheduledRequest]
     ) -> bool:
         """Allocate slots for ``request``, preempting others (or itself) until they fit."""
+        # NOTE: the common decode case first: the tokens fit in the blocks it already holds.
+        if (
+            request.num_computed_tokens + num_tokens
+            <= len(request.block_ids) * self.config.block_size
+        ):
+            return True
         while not self.kv_cache.allocate_slots(request, num_tokens):
             victim = self._pick_victim(scheduled)
             self._preempt(victim)

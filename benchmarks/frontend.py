@@ -246,6 +246,8 @@ async def run_once(
             tally_metrics,
             sse.StreamTally(time.perf_counter()),
             lambda tally: None,
+            # the router's own hot path for chat content chunks without logprobs
+            sse.TextFrame.for_chat(header, "chat.completion.chunk"),
         )
         out = frames[index]
         if timers is None:
@@ -385,7 +387,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     try:
         loaded = engine._loaded
         loop = asyncio.get_running_loop()
-        bridge = engine._dispatcher.bridge_for(loop, lambda: engine._make_bridge(loop))
+        bridge = engine._loop_bridge(loop)
         tokenizer = engine.tokenizer
         prompts = [
             tokenizer.encode(engine.render_chat(chat_messages(i)), add_special_tokens=False)

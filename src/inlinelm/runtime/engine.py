@@ -373,6 +373,12 @@ class Engine:
         self._heartbeat.last = time.perf_counter()
         return parent.collector
 
+    def _loop_bridge(self, loop: asyncio.AbstractEventLoop) -> LoopBridge:
+        """This loop's bridge (and output handler task), created on first use."""
+        return self._dispatcher.bridge_for(
+            loop, lambda: LoopBridge(loop, self._handle.abort, self._handle.on_started, self.metrics)
+        )
+
     def _make_states(
         self,
         loaded: LoadedEngine,

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_BYTES_CAP = 2 * 1024**3
 # Steps with at least this many tokens are compute-bound enough to use every core.
-PREFILL_THREADS_MIN_TOKENS = 64
+PREFILL_THREADS_MIN_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)

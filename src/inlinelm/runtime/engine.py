@@ -376,7 +376,8 @@ class Engine:
     def _loop_bridge(self, loop: asyncio.AbstractEventLoop) -> LoopBridge:
         """This loop's bridge (and output handler task), created on first use."""
         return self._dispatcher.bridge_for(
-            loop, lambda: LoopBridge(loop, self._handle.abort, self._handle.on_started, self.metrics)
+            loop,
+            lambda: LoopBridge(loop, self._handle.abort, self._handle.on_started, self.metrics),
         )
 
     def _make_states(

@@ -8,7 +8,7 @@ the router's SSE driver (``inlinelm.api.sse.event_stream``: ``chat.completion.ch
 and their JSON) and turns each frame into SSE bytes as sse-starlette does (no socket).
 A thread plays the engine thread: for T steps it builds one ``EngineCoreOutputs`` with one
 token per request (ids cycled from a chat answer with markdown, code, emoji and CJK) and
-hands it to the engine's own sink, ``_post_outputs(dispatcher, heartbeat, batch)``; it posts
+hands it to the engine's own sink, ``post_outputs(dispatcher, heartbeat, batch)``; it posts
 step k+1 once the loop has handled step k and every consumer has run, so no step coalesces.
 
 Reported, in µs per token per request (median of ``--repeats`` runs):
@@ -232,7 +232,7 @@ async def run_once(
         ]
         for k in range(steps)
     ]
-    sink = functools.partial(engine_module._post_outputs, engine._dispatcher, engine._heartbeat)
+    sink = functools.partial(engine_module.post_outputs, engine._dispatcher, engine._heartbeat)
     done = setup.done
     done.clear()
     tally_metrics = engine.metrics

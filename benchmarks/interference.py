@@ -199,7 +199,7 @@ class StepRecorder:
     def install(self) -> None:
         from inlinelm.runtime import engine as engine_module
 
-        post = engine_module._post_outputs
+        post = engine_module.post_outputs
         rows = self.rows
 
         def recording_post(dispatcher: Any, heartbeat: Any, batch: Any) -> None:
@@ -209,7 +209,7 @@ class StepRecorder:
                 )
             post(dispatcher, heartbeat, batch)
 
-        engine_module._post_outputs = recording_post  # the Engine binds it when it loads
+        engine_module.post_outputs = recording_post  # the Engine binds it when it loads
 
     def take(self) -> list[tuple[float, float, int, float]]:
         rows = list(self.rows)

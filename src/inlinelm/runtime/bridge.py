@@ -159,3 +159,22 @@ class OutputDispatcher:
             if not bridge.post(batch):
                 with self._lock:
                     self._bridges.pop(loop, None)
+
+
+class Heartbeat:
+    """When the engine last showed progress (a step posted, or a request added)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self, last: float) -> None:
+        self.last = last
+
+
+def post_outputs(
+    dispatcher: OutputDispatcher, heartbeat: Heartbeat, batch: EngineCoreOutputs
+) -> None:
+    """Engine-thread sink: one call per step."""
+    heartbeat.last = time.perf_counter()
+    if batch.error is not None:
+        logger.error("the engine thread died: %r", batch.error)
+    dispatcher.post(batch)

@@ -20,20 +20,19 @@ from inlinelm.config import EngineConfig
 from inlinelm.errors import (
     EngineClosedError,
     EngineDeadError,
-    QueueFullError,
     QueueTimeoutError,
     RequestError,
 )
-from inlinelm.runtime.bridge import LoopBridge, OutputDispatcher
+from inlinelm.runtime.admission import admit_count, admit_tokens, check_limits
+from inlinelm.runtime.bridge import Heartbeat, LoopBridge, OutputDispatcher, post_outputs
 from inlinelm.runtime.collector import RequestOutputCollector
 from inlinelm.runtime.core_handle import CoreHandle
 from inlinelm.runtime.loader import LoadedEngine, load_engine
-from inlinelm.runtime.metrics import EngineMetrics, PrometheusCollector
+from inlinelm.runtime.metrics import EngineMetrics, PrometheusCollector, engine_stats
 from inlinelm.runtime.outputs import RequestMetrics, RequestOutput, aborted_output
 from inlinelm.runtime.request_state import ParentRequest, RequestState
 from inlinelm.runtime.stream import RequestStream
 from inlinelm.sampling_params import OutputKind, SamplingParams
-from inlinelm.sched.output import EngineCoreOutputs
 from inlinelm.sched.request import Request
 
 logger = logging.getLogger("inlinelm")
@@ -60,7 +59,7 @@ class Engine:
         self._lock = threading.Lock()
         self._handle = CoreHandle()
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        self._heartbeat = _Heartbeat(time.perf_counter())
+        self._heartbeat = Heartbeat(time.perf_counter())
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -83,7 +82,7 @@ class Engine:
             # NOTE: the sink must not reference the Engine, so an Engine dropped without
             # close() is collected, and its finalizer stops the engine thread.
             loaded = load_engine(
-                self.config, functools.partial(_post_outputs, self._dispatcher, self._heartbeat)
+                self.config, functools.partial(post_outputs, self._dispatcher, self._heartbeat)
             )
         except BaseException as e:
             self._start_future.set_exception(e)
@@ -195,27 +194,12 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Engine-wide numbers: queues, KV use, prefix-cache hit rate, histograms, coalescing."""
         loaded = self._loaded
-        core = loaded.core.stats if loaded is not None else None
-        queried = core.num_prefix_queried_tokens if core else 0
-        with self.metrics.lock:
-            histograms = {name: h.snapshot() for name, h in self.metrics.histograms().items()}
-            finished = dict(self.metrics.finished)
-            merges = self.metrics.num_merged_outputs
-        return {
-            "num_running": core.num_running if core else 0,
-            "num_waiting": core.num_waiting if core else 0,
-            "num_queued": self._handle.num_queued_requests,
-            "kv_blocks_used": (core.num_kv_blocks - core.num_free_blocks) if core else 0,
-            "kv_blocks_total": core.num_kv_blocks if core else 0,
-            "prefix_cache_hit_rate": (core.num_prefix_hit_tokens / queried)
-            if core and queried
-            else 0.0,
-            "num_steps": core.num_steps if core else 0,
-            "num_merged_outputs": merges,
-            "num_coalesced_steps": sum(b.num_coalesced_steps for b in self._dispatcher.bridges()),
-            "finished": finished,
-            "histograms": histograms,
-        }
+        return engine_stats(
+            loaded.core.stats if loaded is not None else None,
+            self.metrics,
+            num_queued=self._handle.num_queued_requests,
+            num_coalesced_steps=sum(b.num_coalesced_steps for b in self._dispatcher.bridges()),
+        )
 
     def register_metrics(self, registry: Any) -> None:
         """Register a Prometheus collector for this engine on ``registry``."""
@@ -265,7 +249,7 @@ class Engine:
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         self._check_usable()
-        self._check_limits(params)
+        check_limits(self.config, params)
         stream = RequestStream(
             rid,
             lambda: self._submit_lazily(source, params, rid, arrival),
@@ -336,12 +320,12 @@ class Engine:
     ) -> RequestOutputCollector:
         loaded = self._require_loaded()
         self._check_usable()
-        self._admit_count()
+        admit_count(self.config, self._handle)
         prompt_ids = loaded.admission.tokenize(
             source.make(), source.add_special_tokens, source.param
         )
         loaded.admission.check_lengths(prompt_ids, params, source.param)
-        self._admit_tokens(len(prompt_ids))
+        admit_tokens(self.config, self._handle, len(prompt_ids))
         loop = asyncio.get_running_loop()
         bridge = self._dispatcher.bridge_for(
             loop,
@@ -410,30 +394,6 @@ class Engine:
         ]
         return parent, children
 
-    def _check_limits(self, params: SamplingParams) -> None:
-        """The engine's own caps on what one request may ask for."""
-        if params.n > self.config.max_n:
-            raise RequestError(f"n must be at most {self.config.max_n} on this engine", param="n")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise RequestError(
-                f"logprobs must be at most {self.config.max_logprobs} on this engine",
-                param="logprobs",
-            )
-
-    def _admit_count(self) -> None:
-        limit = self.config.max_queued_requests
-        if limit is not None and self._handle.num_queued_requests >= limit:
-            raise QueueFullError(
-                f"too many queued requests ({self._handle.num_queued_requests} >= max_queued_requests={limit})"
-            )
-
-    def _admit_tokens(self, num_tokens: int) -> None:
-        limit = self.config.max_queued_tokens
-        if limit is not None and self._handle.num_queued_tokens + num_tokens > limit:
-            raise QueueFullError(
-                f"too many queued prompt tokens ({self._handle.num_queued_tokens} + {num_tokens} > max_queued_tokens={limit})"
-            )
-
     def _arm_queue_timeout(
         self, loop: asyncio.AbstractEventLoop, bridge: LoopBridge, parent: ParentRequest
     ) -> None:
@@ -495,25 +455,6 @@ class _Prompt:
     make: Callable[[], Prompt]
     add_special_tokens: bool
     param: str
-
-
-class _Heartbeat:
-    """When the engine last showed progress (a step posted, or a request added)."""
-
-    __slots__ = ("last",)
-
-    def __init__(self, last: float) -> None:
-        self.last = last
-
-
-def _post_outputs(
-    dispatcher: OutputDispatcher, heartbeat: _Heartbeat, batch: EngineCoreOutputs
-) -> None:
-    """Engine-thread sink: one call per step."""
-    heartbeat.last = time.perf_counter()
-    if batch.error is not None:
-        logger.error("the engine thread died: %r", batch.error)
-    dispatcher.post(batch)
 
 
 def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from inlinelm.config import EngineConfig
-from inlinelm.errors import RequestError
+from inlinelm.runtime.admission import Admission
 from inlinelm.runtime.engine_core import EngineCore
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.output import EngineCoreOutputs, Runner
@@ -19,57 +19,6 @@ logger = logging.getLogger("inlinelm")
 
 ECHO_DEFAULT_MAX_MODEL_LEN = 8192
 ECHO_MAX_BLOCKS = 1 << 16
-
-
-@dataclass(slots=True)
-class Admission:
-    """Tokenizes prompts and checks them against the context before anything is queued."""
-
-    tokenizer: Any
-    vocab_size: int
-    max_model_len: int
-
-    def tokenize(
-        self, prompt: str | list[int], add_special_tokens: bool, param: str = "prompt"
-    ) -> list[int]:
-        """Token ids of ``prompt``; raises ``RequestError`` for an empty or invalid prompt."""
-        if isinstance(prompt, str):
-            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        elif isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            ids = prompt
-            if any(t < 0 or t >= self.vocab_size for t in ids):
-                raise RequestError(
-                    f"prompt token ids must be in [0, {self.vocab_size})", param=param
-                )
-        else:
-            raise RequestError("prompt must be a string or a list of token ids", param=param)
-        if not ids:
-            raise RequestError("the prompt is empty", param=param)
-        return ids
-
-    def check_lengths(
-        self, prompt_ids: list[int], params: SamplingParams, param: str = "prompt"
-    ) -> int:
-        """The effective max_tokens; raises ``RequestError`` when prompt + output cannot fit."""
-        from inlinelm.gpu.sampling_metadata import check_token_ids
-
-        check_token_ids([params], self.vocab_size)
-        n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens",
-                param=param,
-            )
-        room = self.max_model_len - n
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
-                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion)",
-                param="max_tokens",
-            )
-        return params.max_tokens if params.max_tokens is not None else room
 
 
 @dataclass(slots=True)

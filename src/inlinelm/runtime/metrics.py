@@ -6,7 +6,10 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from inlinelm.runtime.engine_core import EngineCoreStats
 
 LATENCY_BUCKETS = (
     0.001,
@@ -160,3 +163,33 @@ class PrometheusCollector:
                     snap["sum"],
                 )
                 yield family
+
+
+def engine_stats(
+    core: EngineCoreStats | None,
+    metrics: EngineMetrics,
+    *,
+    num_queued: int,
+    num_coalesced_steps: int,
+) -> dict[str, Any]:
+    """The ``Engine.stats()`` dict: queues, KV use, prefix-cache hit rate, histograms."""
+    queried = core.num_prefix_queried_tokens if core else 0
+    with metrics.lock:
+        histograms = {name: h.snapshot() for name, h in metrics.histograms().items()}
+        finished = dict(metrics.finished)
+        merges = metrics.num_merged_outputs
+    return {
+        "num_running": core.num_running if core else 0,
+        "num_waiting": core.num_waiting if core else 0,
+        "num_queued": num_queued,
+        "kv_blocks_used": (core.num_kv_blocks - core.num_free_blocks) if core else 0,
+        "kv_blocks_total": core.num_kv_blocks if core else 0,
+        "prefix_cache_hit_rate": (core.num_prefix_hit_tokens / queried)
+        if core and queried
+        else 0.0,
+        "num_steps": core.num_steps if core else 0,
+        "num_merged_outputs": merges,
+        "num_coalesced_steps": num_coalesced_steps,
+        "finished": finished,
+        "histograms": histograms,
+    }

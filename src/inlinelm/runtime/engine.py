@@ -29,9 +29,10 @@ from inlinelm.runtime.collector import RequestOutputCollector
 from inlinelm.runtime.core_handle import CoreHandle
 from inlinelm.runtime.loader import LoadedEngine, load_engine
 from inlinelm.runtime.metrics import EngineMetrics, PrometheusCollector, engine_stats
-from inlinelm.runtime.outputs import RequestMetrics, RequestOutput, aborted_output
-from inlinelm.runtime.request_state import ParentRequest, RequestState
+from inlinelm.runtime.outputs import RequestOutput, aborted_output
+from inlinelm.runtime.request_state import ParentRequest, RequestState, make_states
 from inlinelm.runtime.stream import RequestStream
+from inlinelm.runtime.sync import generate_all, run_sync
 from inlinelm.sampling_params import OutputKind, SamplingParams
 from inlinelm.sched.request import Request
 
@@ -282,30 +283,12 @@ class Engine:
         Works from a plain script, any thread, and inside a running event loop (a Jupyter
         cell): it then runs on a private loop in a helper thread.
         """
-        from inlinelm.runtime.sync import run_sync
-
         batch = (
             [prompts]
             if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
             else list(prompts)
         )
-        return run_sync(self._generate_all(batch, params, use_tqdm))  # type: ignore[arg-type]
-
-    async def _generate_all(
-        self, prompts: list[Prompt], params: SamplingParams | None, use_tqdm: bool
-    ) -> list[RequestOutput]:
-        from tqdm.auto import tqdm
-
-        await self.start()
-        streams = [self.stream(p, params) for p in prompts]
-        with tqdm(total=len(streams), disable=not use_tqdm, desc="generate") as bar:
-
-            async def one(s: RequestStream) -> RequestOutput:
-                out = await s
-                bar.update(1)
-                return out
-
-            return list(await asyncio.gather(*(one(s) for s in streams)))
+        return run_sync(generate_all(self, batch, params, use_tqdm))  # type: ignore[arg-type]  # a bare prompt was wrapped above
 
     # -- submission (event loop) -----------------------------------------------------------
 
@@ -372,27 +355,15 @@ class Engine:
         params: SamplingParams,
         arrival: float,
     ) -> tuple[ParentRequest, list[RequestState]]:
-        delta = params.output_kind is OutputKind.DELTA
-        collector = RequestOutputCollector(
-            delta=delta, max_backlog_bytes=self.config.max_stream_backlog_bytes
+        return make_states(
+            rid,
+            prompt_ids,
+            params,
+            arrival,
+            lambda: loaded.make_detokenizer(prompt_ids, params),
+            max_backlog_bytes=self.config.max_stream_backlog_bytes,
+            stream_interval=params.stream_interval or self.config.stream_interval,
         )
-        child_ids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
-        parent = ParentRequest(
-            rid, collector, prompt_ids, RequestMetrics(arrival), params, params.n, child_ids
-        )
-        interval = params.stream_interval or self.config.stream_interval
-        children = [
-            RequestState(
-                cid,
-                i,
-                parent,
-                loaded.make_detokenizer(prompt_ids, params),
-                params.output_kind,
-                interval,
-            )
-            for i, cid in enumerate(child_ids)
-        ]
-        return parent, children
 
     def _arm_queue_timeout(
         self, loop: asyncio.AbstractEventLoop, bridge: LoopBridge, parent: ParentRequest

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,3 +53,27 @@ class RequestState:
     num_unsent_steps: int = 0
     num_sent_logprobs: int = 0
     logprobs: list[TokenLogprobs] | None = field(default=None)
+
+
+def make_states(
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    arrival: float,
+    make_detokenizer: Callable[[], Any],
+    *,
+    max_backlog_bytes: int,
+    stream_interval: int,
+) -> tuple[ParentRequest, list[RequestState]]:
+    """The frontend state of a new request: its parent, and one state per choice (``id#i``)."""
+    delta = params.output_kind is OutputKind.DELTA
+    collector = RequestOutputCollector(delta=delta, max_backlog_bytes=max_backlog_bytes)
+    child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+    parent = ParentRequest(
+        request_id, collector, prompt_ids, RequestMetrics(arrival), params, params.n, child_ids
+    )
+    children = [
+        RequestState(cid, i, parent, make_detokenizer(), params.output_kind, stream_interval)
+        for i, cid in enumerate(child_ids)
+    ]
+    return parent, children

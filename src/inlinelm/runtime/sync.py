@@ -5,7 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from inlinelm.runtime.engine import Engine, Prompt
+    from inlinelm.runtime.outputs import RequestOutput
+    from inlinelm.runtime.stream import RequestStream
+    from inlinelm.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
@@ -35,3 +41,21 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     if error:
         raise error[0]
     return result[0]
+
+
+async def generate_all(
+    engine: Engine, prompts: list[Prompt], params: SamplingParams | None, use_tqdm: bool
+) -> list[RequestOutput]:
+    """Run ``prompts`` concurrently on ``engine``, with a progress bar; outputs in order."""
+    from tqdm.auto import tqdm
+
+    await engine.start()
+    streams = [engine.stream(p, params) for p in prompts]
+    with tqdm(total=len(streams), disable=not use_tqdm, desc="generate") as bar:
+
+        async def one(stream: RequestStream) -> RequestOutput:
+            out = await stream
+            bar.update(1)
+            return out
+
+        return list(await asyncio.gather(*(one(s) for s in streams)))

@@ -220,8 +220,10 @@ class Scheduler:
         return SchedulerOutput(scheduled, num_batched_tokens, removed_ids)
 
     def _schedule_running(self, budget: _Budget, scheduled: list[ScheduledRequest]) -> None:
-        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
-        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:  # one pass: this runs for every request every step
+            (decodes if request.num_uncomputed_tokens == 1 else prefills).append(request)
         for request in decodes + prefills:
             if budget.exhausted:
                 return

@@ -1,0 +1,91 @@
+"""Admission: what a request must pass before anything is queued for the engine thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from inlinelm.config import EngineConfig
+from inlinelm.errors import QueueFullError, RequestError
+from inlinelm.runtime.core_handle import CoreHandle
+from inlinelm.sampling_params import SamplingParams
+
+
+def check_limits(config: EngineConfig, params: SamplingParams) -> None:
+    """The engine's own caps on what one request may ask for."""
+    if params.n > config.max_n:
+        raise RequestError(f"n must be at most {config.max_n} on this engine", param="n")
+    if params.logprobs is not None and params.logprobs > config.max_logprobs:
+        raise RequestError(
+            f"logprobs must be at most {config.max_logprobs} on this engine", param="logprobs"
+        )
+
+
+def admit_count(config: EngineConfig, handle: CoreHandle) -> None:
+    """Refuse a request when ``max_queued_requests`` wait already (before tokenizing it)."""
+    limit = config.max_queued_requests
+    if limit is not None and handle.num_queued_requests >= limit:
+        raise QueueFullError(
+            f"too many queued requests ({handle.num_queued_requests} >= max_queued_requests={limit})"
+        )
+
+
+def admit_tokens(config: EngineConfig, handle: CoreHandle, num_tokens: int) -> None:
+    """Refuse a prompt that would push the queued prompt tokens past ``max_queued_tokens``."""
+    limit = config.max_queued_tokens
+    if limit is not None and handle.num_queued_tokens + num_tokens > limit:
+        raise QueueFullError(
+            f"too many queued prompt tokens ({handle.num_queued_tokens} + {num_tokens} "
+            f"> max_queued_tokens={limit})"
+        )
+
+
+@dataclass(slots=True)
+class Admission:
+    """Tokenizes prompts and checks them against the context before anything is queued."""
+
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+
+    def tokenize(
+        self, prompt: str | list[int], add_special_tokens: bool, param: str = "prompt"
+    ) -> list[int]:
+        """Token ids of ``prompt``; raises ``RequestError`` for an empty or invalid prompt."""
+        if isinstance(prompt, str):
+            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        elif isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            ids = prompt
+            if any(t < 0 or t >= self.vocab_size for t in ids):
+                raise RequestError(
+                    f"prompt token ids must be in [0, {self.vocab_size})", param=param
+                )
+        else:
+            raise RequestError("prompt must be a string or a list of token ids", param=param)
+        if not ids:
+            raise RequestError("the prompt is empty", param=param)
+        return ids
+
+    def check_lengths(
+        self, prompt_ids: list[int], params: SamplingParams, param: str = "prompt"
+    ) -> int:
+        """The effective max_tokens; raises ``RequestError`` when prompt + output cannot fit."""
+        from inlinelm.gpu.sampling_metadata import check_token_ids
+
+        check_token_ids([params], self.vocab_size)
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens",
+                param=param,
+            )
+        room = self.max_model_len - n
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion)",
+                param="max_tokens",
+            )
+        return params.max_tokens if params.max_tokens is not None else room

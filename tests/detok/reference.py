@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from inlinelm.detok import IncrementalDetokenizer
-from inlinelm.detok.incremental import MAX_PENDING_TOKENS
+from inlinelm.detok.window import MAX_PENDING_TOKENS
 
 FFFD = "\ufffd"
 Decode = Callable[[list[int]], str]

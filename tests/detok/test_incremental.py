@@ -17,7 +17,7 @@ from inlinelm.detok import (
     SlowIncrementalDetokenizer,
     make_detokenizer,
 )
-from inlinelm.detok.incremental import KEEP_PENDING_TOKENS, MAX_PENDING_TOKENS
+from inlinelm.detok.window import KEEP_PENDING_TOKENS, MAX_PENDING_TOKENS
 from tests.detok.reference import FFFD, chunked, stream
 
 Make = Callable[..., IncrementalDetokenizer]

@@ -127,3 +127,19 @@ def test_min_tokens_bans_eos(tiny_model_dir: Path, tokenizer: Any) -> None:
         runner, Scheduler(config, 64, 2), [Request("m", tokenizer("hi").input_ids, params, 2)]
     )
     assert len(got["m"]) == 10 and 2 not in got["m"]
+
+
+def test_many_decodes_of_different_lengths_equal_transformers(
+    tiny_model_dir: Path, tokenizer: Any
+) -> None:
+    """More decode rows than one attention group, lengths interleaved, rows out of order."""
+    from tests.gpu.reference import load_reference, reference_greedy
+
+    prompts = [tokenizer(" ".join(["word"] * (3 + (i * 7) % 40))).input_ids for i in range(19)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=512)
+    runner = ModelRunner(config, tiny_model_dir)
+    requests = [Request(f"m{i}", ids, params, 2) for i, ids in enumerate(prompts)]
+    got = run_to_completion(runner, Scheduler(config, 512, 2), requests)
+    ref = load_reference(tiny_model_dir)
+    assert [got[f"m{i}"] for i in range(19)] == [reference_greedy(ref, ids, 8) for ids in prompts]

@@ -51,6 +51,10 @@ class AttentionBackend(Protocol):
         ...
 
 
+DECODE_GROUP_SIZE = 8
+"""Decode rows per SDPA call (rows are sorted by context length first)."""
+
+
 @dataclass(slots=True)
 class _DecodeGroup:
     """Sequences with one query token: one batched SDPA call, keys masked past each length."""
@@ -74,14 +78,15 @@ class _Chunk:
 @dataclass(slots=True)
 class _Plan:
     block_size: int
-    decode: _DecodeGroup | None
+    decode: list[_DecodeGroup]
     chunks: list[_Chunk]
 
 
 class TorchAttention:
     """CPU attention over the paged cache with torch's SDPA.
 
-    Decode tokens of all sequences share one SDPA call; each prefill chunk gets its own
+    Decode tokens share SDPA calls, up to eight sequences of similar length per call; each
+    prefill chunk gets its own
     (causal, or bottom-right causal when part of its context is cached), so no sequence is
     padded to the longest one. The context is gathered a block at a time. The Python loop
     runs over prefill chunks of a step (bounded by the token budget), never over tokens.
@@ -94,7 +99,7 @@ class TorchAttention:
         self.scale = head_dim**-0.5
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        """Split the step into the decode group and the prefill chunks."""
+        """Split the step into decode groups and prefill chunks."""
         starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
         single = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
@@ -103,11 +108,15 @@ class TorchAttention:
             for i in range(len(seq_lens))
             if starts[i + 1] - starts[i] > 1
         ]
-        decode = (
-            self._decode_group(meta, single, [seq_lens[i] for i in single], block_size)
-            if single
-            else None
-        )
+        # NOTE: decode rows sorted by length and batched in groups, so short contexts are not
+        # gathered and attended at the longest one's length.
+        single.sort(key=lambda i: seq_lens[i])
+        decode = [
+            self._decode_group(meta, rows, [seq_lens[i] for i in rows], block_size)
+            for rows in (
+                single[k : k + DECODE_GROUP_SIZE] for k in range(0, len(single), DECODE_GROUP_SIZE)
+            )
+        ]
         meta.plan = _Plan(block_size, decode, chunks)
 
     def _decode_group(
@@ -153,8 +162,8 @@ class TorchAttention:
         kv_cache[1].index_copy_(0, meta.slot_mapping, v)
         blocks = kv_cache.view(2, -1, plan.block_size, self.num_kv_heads, self.head_dim)
         out = torch.empty_like(q)
-        if plan.decode is not None:
-            self._attend_decode(q, blocks, plan.decode, out)
+        for group in plan.decode:
+            self._attend_decode(q, blocks, group, out)
         for chunk in plan.chunks:
             self._attend_chunk(q, blocks, chunk, out)
         return out

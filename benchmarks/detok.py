@@ -21,6 +21,7 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer
 
+from _common import ANSWER, STOPS
 from inlinelm.detok import (
     FastIncrementalDetokenizer,
     IncrementalDetokenizer,
@@ -29,27 +30,6 @@ from inlinelm.detok import (
 )
 from inlinelm.gpu.model_files import resolve_model
 
-ANSWER = """\
-## Sorting in Python 🐍
-
-Sure! Here is a **quick** overview. Python's `sorted()` returns a *new* list:
-
-```python
-def top_k(items: list[int], k: int = 3) -> list[int]:
-    # largest first
-    return sorted(items, reverse=True)[:k]
-
-print(top_k([5, 1, 4, 2, 3]))  # → [5, 4, 3]
-```
-
-| method | in place | returns |
-| --- | --- | --- |
-| `list.sort()` | yes | `None` |
-| `sorted()` | no | a new list |
-
-In Chinese: 排序算法很有用。日本語では「並べ替え」と言います。 Happy coding! 👨‍💻🎉👍🏽
-"""
-STOPS = ["\n\nUser:", "</answer>", "```end"]
 PROMPT = "<|im_start|>user\nHow do I sort a list in Python?<|im_end|>\n<|im_start|>assistant\n"
 
 Factory = Callable[[list[int]], Any]

@@ -7,12 +7,13 @@ with uvicorn on 127.0.0.1; a load generator in another process opens B concurren
 ``max_tokens`` tokens with ``ignore_eos``, and reads them to the end. Bounded in count and
 time, loopback only, self-stopping.
 
-Per B (1, 32, 128, 256 by default), measured in the same server run:
+Per B (1, 32, 128, 256 by default), for each engine-thread loop in the same run ("pipelined":
+``async_scheduling=True``, the default, schedules step N+1 while the device runs step N;
+"plain": waits for step N first):
 
 * the engine's achieved step period (step start to next step start) over the steps where
   all B requests decode, its median and p99, and the stretch = median / 4.5 ms; the engine
-  thread's CPU per step (scheduler + runner Python) and what is left (waiting for the GIL,
-  sleep overshoot);
+  thread's CPU per step (scheduler + runner Python) and how far the period runs over 4.5 ms;
 * the clients' TTFT and inter-token latency p50/p99 (per socket read: frames that arrive
   together count as 0 gaps after the first);
 * coalescing: ``engine.stats()["num_merged_outputs"]`` (outputs merged into a waiting
@@ -234,7 +235,7 @@ def step_stats(rows: list[tuple[float, float, int, float]], batch: int) -> dict[
         "period_ms_p99": percentile(periods, 99) * 1e3,
         "stretch": period / STEP_S,
         "engine_cpu_ms_per_step": cpu * 1e3,
-        "other_wait_ms_per_step": (period - STEP_S - cpu) * 1e3,
+        "over_ms_per_step": (period - STEP_S) * 1e3,
     }
 
 
@@ -261,7 +262,7 @@ def hist_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def engine_alone(args: argparse.Namespace, batch: int, tokenizer: Any) -> dict[str, Any]:
+def engine_alone(args: argparse.Namespace, loop: str, batch: int, tokenizer: Any) -> dict[str, Any]:
     """The same echo engine thread with a sink that drops every batch: no event loop, no HTTP.
 
     Its step period is the floor the frontend can only add to (the scheduler's and the echo
@@ -272,7 +273,7 @@ def engine_alone(args: argparse.Namespace, batch: int, tokenizer: Any) -> dict[s
     from inlinelm.sampling_params import SamplingParams
     from inlinelm.sched.request import Request
 
-    config = engine_config(args)
+    config = engine_config(args, loop)
     runner = EchoRunner(config, 1 << 14, tokenizer.eos_token_id)
     rows: list[tuple[float, float, int, float]] = []
     finished = threading.Event()
@@ -296,12 +297,13 @@ def engine_alone(args: argparse.Namespace, batch: int, tokenizer: Any) -> dict[s
     return step_stats(rows, batch)
 
 
-def engine_config(args: argparse.Namespace) -> Any:
+def engine_config(args: argparse.Namespace, loop: str) -> Any:
     from inlinelm.config import EngineConfig
 
     return EngineConfig(
         model=args.model,
         runner="echo",
+        async_scheduling=loop == "pipelined",
         echo_step_s=STEP_S,
         max_num_seqs=max(max(args.batch), 1),
         max_num_batched_tokens=8192,
@@ -317,20 +319,30 @@ def free_socket() -> socket.socket:
 
 
 async def serve_and_measure(args: argparse.Namespace) -> dict[str, Any]:
+    recorder = StepRecorder()
+    recorder.install()
+    rows: list[dict[str, Any]] = []
+    for loop in args.loop:
+        rows.extend(await serve_and_measure_loop(args, loop, recorder))
+    return {"rows": rows}
+
+
+async def serve_and_measure_loop(
+    args: argparse.Namespace, loop: str, recorder: StepRecorder
+) -> list[dict[str, Any]]:
+    """Every wave against one engine whose thread runs the ``loop`` ("pipelined" or "plain")."""
     import uvicorn
 
     from inlinelm.api import create_app
     from inlinelm.runtime.engine import Engine
 
-    recorder = StepRecorder()
-    recorder.install()
-    engine = Engine(engine_config(args))
+    engine = Engine(engine_config(args, loop))
     await engine.start()
     alone = {}
     for batch in args.batch:
-        alone[batch] = await asyncio.to_thread(engine_alone, args, batch, engine.tokenizer)
+        alone[batch] = await asyncio.to_thread(engine_alone, args, loop, batch, engine.tokenizer)
         print(
-            f"  B={batch:<4} engine alone: stretch {alone[batch].get('stretch', float('nan')):.3f}, "
+            f"  {loop} B={batch:<4} engine alone: stretch {alone[batch].get('stretch', float('nan')):.3f}, "
             f"engine CPU {alone[batch].get('engine_cpu_ms_per_step', float('nan')):.2f} ms/step",
             flush=True,
         )
@@ -382,13 +394,14 @@ async def serve_and_measure(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append(
                     summarize(batch, interval, args, client, recorder.take(), before, after)
                 )
+                rows[-1]["loop"] = loop
                 rows[-1]["alone"] = alone[batch]
                 rows[-1]["loop_cpu_s"] = loop_cpu
                 rows[-1]["loop_cpu_us_per_frame"] = loop_cpu / max(rows[-1]["frames"], 1) * 1e6
                 rows[-1]["loop_busy"] = loop_cpu / client["wall_s"]
                 r = rows[-1]
                 print(
-                    f"  B={batch:<4} switch={interval * 1e3:g} ms: stretch {r.get('stretch', float('nan')):.3f}, "
+                    f"  {loop} B={batch:<4} switch={interval * 1e3:g} ms: stretch {r.get('stretch', float('nan')):.3f}, "
                     f"merged {r['merged_outputs']}, complete {r['complete_streams']}/{batch}",
                     flush=True,
                 )
@@ -396,7 +409,8 @@ async def serve_and_measure(args: argparse.Namespace) -> dict[str, Any]:
         sys.setswitchinterval(default_interval)
         server.should_exit = True
         await asyncio.wait_for(server_task, 30)
-    return {"rows": rows}
+        await engine.aclose()
+    return rows
 
 
 def _receive(conn: Any, timeout: float) -> dict[str, Any]:
@@ -453,33 +467,35 @@ def print_table(report: dict[str, Any]) -> None:
         f"load average {report['load_average']}"
     )
     cols = (
-        f"{'B':>4} {'switch':>6} {'alone':>6} {'period p50':>10} {'p99':>6} {'stretch':>7} {'eng cpu':>7} "
-        f"{'wait':>6} {'ITL p50':>7} {'p99':>6} {'TTFT p50':>8} {'merged':>7} {'coal.st':>7} "
+        f"{'loop':>9} {'B':>4} {'switch':>6} {'alone':>6} {'period p50':>10} {'p99':>6} {'stretch':>7} {'eng cpu':>7} "
+        f"{'over':>6} {'ITL p50':>7} {'p99':>6} {'TTFT p50':>8} {'merged':>7} {'coal.st':>7} "
         f"{'lag mean':>8} {'lag p99<=':>9} {'loop µs':>8} {'busy':>5} {'done':>5}"
     )
     print(cols)
     print(
-        f"{'':>4} {'ms':>6} {'strch':>6} {'ms':>10} {'ms':>6} {'':>7} {'ms':>7} {'ms':>6} {'ms':>7} {'ms':>6} "
+        f"{'':>9} {'':>4} {'ms':>6} {'strch':>6} {'ms':>10} {'ms':>6} {'':>7} {'ms':>7} {'ms':>6} {'ms':>7} {'ms':>6} "
         f"{'ms':>8} {'':>7} {'':>7} {'ms':>8} {'ms':>9} {'/frame':>8}"
     )
     for r in report["rows"]:
         lag = r["loop_lag"]
         print(
-            f"{r['batch']:>4} {r['switch_interval_ms']:>6g} {r['alone'].get('stretch', float('nan')):>6.3f} "
+            f"{r['loop']:>9} {r['batch']:>4} {r['switch_interval_ms']:>6g} {r['alone'].get('stretch', float('nan')):>6.3f} "
             f"{r.get('period_ms_p50', float('nan')):>10.2f} "
             f"{r.get('period_ms_p99', float('nan')):>6.2f} {r.get('stretch', float('nan')):>7.3f} "
-            f"{r.get('engine_cpu_ms_per_step', float('nan')):>7.2f} {r.get('other_wait_ms_per_step', float('nan')):>6.2f} "
+            f"{r.get('engine_cpu_ms_per_step', float('nan')):>7.2f} {r.get('over_ms_per_step', float('nan')):>6.2f} "
             f"{r['itl_ms_p50']:>7.2f} {r['itl_ms_p99']:>6.2f} {r['ttft_ms_p50']:>8.1f} "
             f"{r['merged_outputs']:>7} {r['coalesced_steps']:>7} {lag.get('mean_ms', 0):>8.2f} "
             f"{lag.get('p99_le_ms', 0):>9.1f} {r['loop_cpu_us_per_frame']:>8.1f} "
             f"{r['loop_busy']:>5.0%} {r['complete_streams']:>5}"
         )
-    for interval, first in report["coalescing_starts_at"].items():
-        print(f"switch interval {interval} ms: frontend starts coalescing at B = {first}")
+    for key, first in report["coalescing_starts_at"].items():
+        print(f"{key}: frontend starts coalescing at B = {first}")
     print(
+        "loop = the engine thread's loop: pipelined schedules step N+1 while the device runs "
+        "step N (async_scheduling=True, the default), plain waits for step N first; "
         "alone = stretch of the same engine thread with no frontend (sink drops batches); "
-        "stretch = median step period / 4.5 ms; eng cpu = engine-thread CPU per step; wait = "
-        "period - 4.5 ms - eng cpu (GIL wait, sleep overshoot); ITL per client socket read; "
+        "stretch = median step period / 4.5 ms; eng cpu = engine-thread CPU per step; over = "
+        "period - 4.5 ms; ITL per client socket read; "
         "loop µs/frame = event-loop thread CPU per content frame sent, busy = its CPU / wall"
     )
 
@@ -489,31 +505,25 @@ def plot(report: dict[str, Any]) -> None:
     if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    by_interval: dict[float, list[dict[str, Any]]] = {}
+    by_series: dict[str, list[dict[str, Any]]] = {}
     for r in report["rows"]:
-        by_interval.setdefault(r["switch_interval_ms"], []).append(r)
-    for interval, rows in by_interval.items():
+        by_series.setdefault(series_name(r), []).append(r)
+    for name, rows in by_series.items():
         bs = [r["batch"] for r in rows]
+        ax1.plot(bs, [r.get("stretch", float("nan")) for r in rows], "o-", label=name)
+        ax2.plot(bs, [r["itl_ms_p50"] for r in rows], "o-", label=f"ITL p50, {name}")
+        ax2.plot(bs, [r["itl_ms_p99"] for r in rows], "x--", label=f"ITL p99, {name}")
+    seen = set()
+    for rows in by_series.values():
+        if rows[0]["loop"] in seen:
+            continue
+        seen.add(rows[0]["loop"])
         ax1.plot(
-            bs,
-            [r.get("stretch", float("nan")) for r in rows],
-            "o-",
-            label=f"switch {interval:g} ms",
+            [r["batch"] for r in rows],
+            [r["alone"].get("stretch", float("nan")) for r in rows],
+            "s:",
+            label=f"{rows[0]['loop']}, engine alone (no frontend)",
         )
-        ax2.plot(
-            bs, [r["itl_ms_p50"] for r in rows], "o-", label=f"ITL p50, switch {interval:g} ms"
-        )
-        ax2.plot(
-            bs, [r["itl_ms_p99"] for r in rows], "x--", label=f"ITL p99, switch {interval:g} ms"
-        )
-    first = next(iter(by_interval.values()))
-    ax1.plot(
-        [r["batch"] for r in first],
-        [r["alone"].get("stretch", float("nan")) for r in first],
-        "s:",
-        color="gray",
-        label="engine alone (no frontend)",
-    )
     ax1.axhline(TARGET_STRETCH, color="red", linestyle="--", label="target 1.10")
     ax1.set_xlabel("concurrent streams B")
     ax1.set_ylabel("step period / 4.5 ms")
@@ -525,6 +535,10 @@ def plot(report: dict[str, Any]) -> None:
     ax2.set_title("client inter-token latency")
     ax2.legend(fontsize=7)
     save_plot(fig, "interference.png")
+
+
+def series_name(row: dict[str, Any]) -> str:
+    return f"{row['loop']}, switch {row['switch_interval_ms']:g} ms"
 
 
 def main() -> None:
@@ -539,6 +553,13 @@ def main() -> None:
         nargs="+",
         default=[sys.getswitchinterval()],
         help="sys.setswitchinterval values (seconds) to run the waves under",
+    )
+    parser.add_argument(
+        "--loop",
+        nargs="+",
+        default=["pipelined", "plain"],
+        choices=["pipelined", "plain"],
+        help="engine-thread loops to measure, side by side (async_scheduling on / off)",
     )
     parser.add_argument("--model", default="default")
     parser.add_argument(
@@ -558,8 +579,10 @@ def main() -> None:
     else:
         result = asyncio.run(serve_and_measure(args))
     coalescing: dict[str, Any] = {}
-    for interval in args.switch_interval:
-        rows = [r for r in result["rows"] if r["switch_interval_ms"] == interval * 1e3]
+    by_series: dict[str, list[dict[str, Any]]] = {}
+    for r in result["rows"]:
+        by_series.setdefault(series_name(r), []).append(r)
+    for name, rows in by_series.items():
         first = next(
             (
                 r["batch"]
@@ -568,7 +591,7 @@ def main() -> None:
             ),
             None,
         )
-        coalescing[f"{interval * 1e3:g}"] = first
+        coalescing[name] = first
     report = {
         "http": args.http,
         "uvloop": args.uvloop,

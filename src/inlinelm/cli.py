@@ -32,6 +32,7 @@ ENGINE_HELP: dict[str, str] = {
     "block_size": "tokens per KV-cache block",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts over several steps, next to running decodes",
+    "async_scheduling": "schedule the next step while the device runs this one (echo and device runners)",
     "kv_cache_bytes": "KV-cache budget in bytes (CPU); default: sized from free memory",
     "num_kv_blocks": "exact number of KV-cache blocks (overrides the byte budget)",
     "gpu_memory_utilization": "fraction of free GPU memory the engine may take (CUDA)",

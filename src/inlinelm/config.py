@@ -34,6 +34,8 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Schedule the next step while the device runs this one (runners that support it).
+    async_scheduling: bool = True
     # KV cache sizing: a byte budget on CPU, a fraction of free memory on CUDA.
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None

@@ -176,7 +176,7 @@ def test_a_dead_engine_is_a_503_with_the_reason() -> None:
         def boom(batch: Any) -> Any:
             raise RuntimeError("device lost")
 
-        engine._loaded.core.runner.execute = boom  # the engine thread dies at its next step
+        engine._loaded.core.runner.submit = boom  # the engine thread dies at its next step
         first = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, timeout=30)
         check_error(first, 503, code="engine_dead")
         health = httpx.get(f"{server.url}/health")

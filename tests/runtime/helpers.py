@@ -15,7 +15,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from inlinelm import Engine
-from inlinelm.sched.output import ModelRunnerOutput, SchedulerOutput
+from inlinelm.sched.output import SchedulerOutput
 
 T = TypeVar("T")
 
@@ -86,7 +86,7 @@ def is_drained(engine: Engine) -> bool:
     """No request anywhere: no state, no queued count, nothing scheduled, every block free.
 
     The published stats alone can be stale (they are taken after each step, so during a step
-    blocked in ``execute`` they still show the idle engine before it): the engine thread's
+    blocked in the runner they still show the idle engine before it): the engine thread's
     input queue and scheduler must be empty too, i.e. every abort has really been applied.
     """
     assert engine._loaded is not None
@@ -118,19 +118,20 @@ def runner_of(engine: Engine) -> Any:
 
 
 class RunnerGate:
-    """Wraps the runner's ``execute``: once :meth:`close` d, the next step blocks inside
-    ``execute`` (like a GPU step that does not return) until :meth:`open`.
+    """Wraps the runner's ``submit``: once :meth:`close` d, the next step blocks in it (like
+    a device step that does not return) until :meth:`open`. Both the pipelined and the
+    plain engine loop go through ``submit`` (the echo runner's ``execute`` calls it).
 
     Use as a context manager so a failing test never leaves the engine thread blocked.
     """
 
     def __init__(self, engine: Engine) -> None:
         self.runner = runner_of(engine)
-        self._execute = self.runner.execute
+        self._submit = self.runner.submit
         self._closed = threading.Event()
         self._released = threading.Event()
         self.entered = threading.Event()
-        self.runner.execute = self._gated
+        self.runner.submit = self._gated
 
     def close(self) -> None:
         """Block the next step (and every later one) until :meth:`open`."""
@@ -143,38 +144,36 @@ class RunnerGate:
         self._closed.clear()
         self._released.set()
 
-    def _gated(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+    def _gated(self, batch: SchedulerOutput) -> None:
         if self._closed.is_set():
             self.entered.set()
             self._released.wait(WAIT_S)
-        out: ModelRunnerOutput = self._execute(batch)
-        return out
+        self._submit(batch)
 
     def __enter__(self) -> RunnerGate:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.open()
-        self.runner.execute = self._execute
+        self.runner.submit = self._submit
 
 
 class RunnerFailure:
-    """Wraps the runner's ``execute``: once :meth:`arm` ed, the next step raises ``error``."""
+    """Wraps the runner's ``submit``: once :meth:`arm` ed, the next step raises ``error``."""
 
     def __init__(self, engine: Engine) -> None:
         self.runner = runner_of(engine)
-        self._execute = self.runner.execute
+        self._submit = self.runner.submit
         self._armed = threading.Event()
         self.error = RuntimeError("injected: the device fell over")
         self.failed_at: float | None = None
-        self.runner.execute = self._maybe_fail
+        self.runner.submit = self._maybe_fail
 
     def arm(self) -> None:
         self._armed.set()
 
-    def _maybe_fail(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+    def _maybe_fail(self, batch: SchedulerOutput) -> None:
         if self._armed.is_set():
             self.failed_at = time.perf_counter()
             raise self.error
-        out: ModelRunnerOutput = self._execute(batch)
-        return out
+        self._submit(batch)

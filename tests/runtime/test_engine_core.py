@@ -1,4 +1,8 @@
-"""EngineCore on its own thread, driven by the EchoRunner."""
+"""EngineCore on its own thread, driven by the EchoRunner.
+
+Every test runs twice: with the pipelined loop (the next step is scheduled while the
+echo "device" runs this one) and with the plain loop (``async_scheduling=False``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import random
 import threading
 from collections import defaultdict
 from typing import Any
+
+import pytest
 
 from inlinelm.config import EngineConfig
 from inlinelm.gpu.echo_runner import EchoRunner
@@ -56,7 +62,7 @@ class Sink:
 
 
 class GatedRunner(EchoRunner):
-    """Pauses inside execute() of step ``gate_step`` until the test releases it."""
+    """Pauses while collecting step ``gate_step`` until the test releases it."""
 
     def __init__(self, *args: Any, gate_step: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -65,8 +71,8 @@ class GatedRunner(EchoRunner):
         self.release = threading.Event()
         self.closed = False
 
-    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
-        out = super().execute(batch)
+    def collect(self) -> ModelRunnerOutput:
+        out = super().collect()
         if self.num_steps == self.gate_step:
             self.entered.set()
             assert self.release.wait(WAIT_S)
@@ -78,7 +84,7 @@ class GatedRunner(EchoRunner):
 
 
 class FailingRunner(EchoRunner):
-    """Raises ``error`` from execute() at step ``fail_step``."""
+    """Raises ``error`` while collecting step ``fail_step``."""
 
     def __init__(self, *args: Any, fail_step: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -86,18 +92,27 @@ class FailingRunner(EchoRunner):
         self.error = RuntimeError("device fell over")
         self.closed = False
 
-    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+    def collect(self) -> ModelRunnerOutput:
         if self.num_steps + 1 == self.fail_step:
             raise self.error
-        return super().execute(batch)
+        return super().collect()
 
     def close(self) -> None:
         self.closed = True
         super().close()
 
 
+PIPELINED = [True]
+"""Whether this test's engine core runs the pipelined loop (set per test by ``loop_mode``)."""
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["pipelined", "plain"])
+def loop_mode(request: pytest.FixtureRequest) -> None:
+    PIPELINED[0] = request.param
+
+
 def make_config(**options: Any) -> EngineConfig:
-    return EngineConfig(**{"runner": "echo", **options})
+    return EngineConfig(**{"runner": "echo", "async_scheduling": PIPELINED[0], **options})
 
 
 def make_request(request_id: str, prompt: list[int], **params: Any) -> Request:
@@ -177,8 +192,10 @@ def test_shutdown_mid_step_posts_that_step_and_frees_every_block() -> None:
     core.put(Shutdown())
     runner.release.set()
     assert core.join(WAIT_S)
-    assert [b.step_index for b in sink.batches] == [0, 1]
-    assert sink.tokens["a"] == [10, 11]
+    # Pipelined, the step after the gated one is already in flight: it finishes too.
+    num_steps = 3 if PIPELINED[0] else 2
+    assert [b.step_index for b in sink.batches] == list(range(num_steps))
+    assert sink.tokens["a"] == [10, 11, 12][:num_steps]
     assert runner.closed
     assert core.num_free_blocks == 64
     assert not core.scheduler.has_unfinished_requests()
@@ -222,7 +239,8 @@ def test_abort_mid_step_gets_no_further_output_and_add_mid_step_is_queued() -> N
     assert sink.batches_with("a") == [0, 1, 2]
     assert sink.tokens["b"] == [20, 21, 22, 23, 24]
     assert sink.tokens["c"] == [30, 31, EOS]
-    assert min(sink.batches_with("c")) == 3
+    # c is admitted by the first step scheduled after the abort was applied.
+    assert min(sink.batches_with("c")) == (4 if PIPELINED[0] else 3)
     assert core.num_free_blocks == 64
 
 
@@ -266,3 +284,40 @@ def test_shutdown_drained_mid_step_of_the_last_work_does_not_block() -> None:
     assert core.join(WAIT_S)
     assert sink.tokens["a"] == [10]
     assert runner.closed
+
+
+class RecordingRunner(EchoRunner):
+    """Logs ("submit" | "collect", step number) in the order the engine thread calls them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, int]] = []
+        self._num_submitted = 0
+
+    def submit(self, batch: SchedulerOutput) -> None:
+        self.calls.append(("submit", self._num_submitted))
+        self._num_submitted += 1
+        super().submit(batch)
+
+    def collect(self) -> ModelRunnerOutput:
+        self.calls.append(("collect", self.num_steps))
+        return super().collect()
+
+
+def test_pipelined_loop_submits_the_next_step_before_collecting_this_one() -> None:
+    config = make_config(echo_step_s=0.001)
+    runner = RecordingRunner(config, 64, EOS)
+    sink = Sink({"a"})
+    core = start_core(runner, sink, config)
+    core.add_request(make_request("a", [10, 11, 12, 13], max_tokens=4))
+    assert sink.done.wait(WAIT_S)
+    stop_core(core)
+    assert sink.tokens["a"] == [10, 11, 12, 13]
+    calls = runner.calls
+    if PIPELINED[0]:
+        # Step n+1 is launched while step n runs: the device never waits for the host.
+        assert calls[:4] == [("submit", 0), ("submit", 1), ("collect", 0), ("submit", 2)]
+    else:
+        assert calls[:4] == [("submit", 0), ("collect", 0), ("submit", 1), ("collect", 1)]
+    # max_tokens is known ahead: no step is launched past the fourth token.
+    assert calls.count(("submit", 4)) == 0

@@ -127,11 +127,11 @@ def test_final_only_with_n_choices_gives_one_output_holding_every_choice() -> No
             runner = runner_of(engine)
             echo_next = runner.next_token
 
-            def shorter_first_choice(request: Request) -> int:
+            def shorter_first_choice(request: Request, index: int) -> int:
                 # Choice 0 ends after two tokens, the others echo the whole prompt.
-                if request.request_id.endswith("#0") and request.num_output_tokens == 2:
+                if request.request_id.endswith("#0") and index == 2:
                     return EOS
-                token: int = echo_next(request)
+                token: int = echo_next(request, index)
                 return token
 
             runner.next_token = shorter_first_choice

@@ -10,7 +10,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from inlinelm.sched.output import ModelRunnerOutput, SchedulerOutput
+from inlinelm.sched.output import ModelRunnerOutput
 from tests.runtime.helpers import (
     WAIT_S,
     assert_drained,
@@ -153,12 +153,12 @@ class LoopLag:
         async with echo_engine(echo_step_s=0.001) as engine:
             stream = engine.stream("a lagging loop", ignore_eos=True, max_tokens=1000)
             runner = runner_of(engine)
-            execute = runner.execute
+            collect = runner.collect
             steps_done = threading.Event()
             target = [0]
 
-            def counting(batch: SchedulerOutput) -> ModelRunnerOutput:
-                out: ModelRunnerOutput = execute(batch)
+            def counting() -> ModelRunnerOutput:
+                out: ModelRunnerOutput = collect()
                 target[0] -= 1
                 if target[0] == 0:
                     steps_done.set()
@@ -171,7 +171,7 @@ class LoopLag:
                     bridge = engine._dispatcher.bridges()[0]
                     self._count(bridge)
                     target[0] = self.num_steps + 1
-                    runner.execute = counting
+                    runner.collect = counting
                     # NOTE: a deliberate blocking wait on the loop: the loop lags.
                     assert steps_done.wait(WAIT_S)
                     self.posts_while_blocked = self.posts

@@ -13,7 +13,12 @@ from inlinelm.config import EngineConfig
 from inlinelm.errors import RequestError
 from inlinelm.gpu.echo_runner import EchoRunner
 from inlinelm.sampling_params import SamplingParams
-from inlinelm.sched.output import EngineCoreOutput, FinishReason, SchedulerOutput
+from inlinelm.sched.output import (
+    EngineCoreOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from inlinelm.sched.request import Request, RequestStatus
 from inlinelm.sched.scheduler import Scheduler
 
@@ -39,10 +44,24 @@ def expected_echo(
 
 
 class Harness:
-    """Runs schedule → execute → update like the engine core, checking every batch."""
+    """Runs schedule → execute → update like the engine core, checking every batch.
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None):
+    With ``pipelined``, like the engine core's pipelined loop: each :meth:`step` schedules
+    and submits a batch, then collects and updates the batch submitted before it, so the
+    scheduler always decides one step ahead of what it has applied.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        max_model_len: int | None = None,
+        *,
+        pipelined: bool = False,
+    ):
         self.config = config
+        self.pipelined = pipelined
+        self.in_flight: list[SchedulerOutput] = []
         self.scheduler = Scheduler(config, num_blocks, EOS, max_model_len)
         self.runner = EchoRunner(config, num_blocks, EOS, check_kv=True)
         self.requests: dict[str, Request] = {}
@@ -57,21 +76,41 @@ class Harness:
         return request
 
     def step(self, abort_mid_step: Iterable[str] = ()) -> SchedulerOutput:
+        """Schedule and run one batch (returned); ``abort_mid_step`` is aborted between
+        the collect and the update of the batch applied in this call."""
         batch = self.scheduler.schedule()
         self._check_batch(batch)
-        out = self.runner.execute(batch)
-        self.scheduler.abort_requests(abort_mid_step)
-        for output in self.scheduler.update_from_output(batch, out):
-            self.outputs[output.request_id].append(output)
-        self.num_steps += 1
+        if not self.pipelined:
+            self._apply(batch, self.runner.execute(batch), abort_mid_step)
+            return batch
+        if batch.scheduled:
+            self.runner.submit(batch)
+            self.in_flight.append(batch)
+        if len(self.in_flight) > 1 or (self.in_flight and not batch.scheduled):
+            self._apply(self.in_flight.pop(0), self.runner.collect(), abort_mid_step)
+        else:
+            self.scheduler.abort_requests(abort_mid_step)
         return batch
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
-            if not self.scheduler.has_unfinished_requests():
+            if not self.scheduler.has_unfinished_requests() and not self.in_flight:
                 return
             self.step()
         pytest.fail("requests did not finish")
+
+    def drain(self) -> None:
+        """Collect and apply every batch still in flight (pipelined), scheduling nothing."""
+        while self.in_flight:
+            self._apply(self.in_flight.pop(0), self.runner.collect(), ())
+
+    def _apply(
+        self, batch: SchedulerOutput, out: ModelRunnerOutput, abort_mid_step: Iterable[str]
+    ) -> None:
+        self.scheduler.abort_requests(abort_mid_step)
+        for output in self.scheduler.update_from_output(batch, out):
+            self.outputs[output.request_id].append(output)
+        self.num_steps += 1
 
     def tokens(self, request_id: str) -> list[int]:
         return [t for o in self.outputs[request_id] for t in o.new_token_ids]
@@ -95,13 +134,20 @@ class Harness:
         self.first_scheduled.extend(i for i in ids if i not in self.first_scheduled)
 
 
+@pytest.fixture(params=[False, True], ids=["plain", "pipelined"])
+def pipelined(request: pytest.FixtureRequest) -> bool:
+    """Run the test with the plain step and with the pipelined one."""
+    value: bool = request.param
+    return value
+
+
 def config(**options: Any) -> EngineConfig:
     defaults: dict[str, Any] = {"runner": "echo", "block_size": 4}
     return EngineConfig(**{**defaults, **options})
 
 
-def test_every_request_gets_its_exact_echo() -> None:
-    harness = Harness(config(), 64)
+def test_every_request_gets_its_exact_echo(pipelined: bool) -> None:
+    harness = Harness(config(), 64, pipelined=pipelined)
     prompts = {f"r{i}": list(range(10, 13 + i)) for i in range(8)}
     for request_id, prompt in prompts.items():
         harness.add(request_id, prompt, max_tokens=50)
@@ -112,16 +158,16 @@ def test_every_request_gets_its_exact_echo() -> None:
     harness.assert_all_blocks_free()
 
 
-def test_budget_and_sequence_cap_hold_under_load() -> None:
-    harness = Harness(config(max_num_batched_tokens=24, max_num_seqs=5), 200)
+def test_budget_and_sequence_cap_hold_under_load(pipelined: bool) -> None:
+    harness = Harness(config(max_num_batched_tokens=24, max_num_seqs=5), 200, pipelined=pipelined)
     for i in range(40):
         harness.add(f"r{i}", list(range(10, 10 + 3 + i % 30)), max_tokens=8)
     harness.run()  # every batch is checked against both limits
     assert all(harness.finish(f"r{i}") is not None for i in range(40))
 
 
-def test_decodes_come_before_prefill_chunks() -> None:
-    harness = Harness(config(max_num_batched_tokens=32), 64)
+def test_decodes_come_before_prefill_chunks(pipelined: bool) -> None:
+    harness = Harness(config(max_num_batched_tokens=32), 64, pipelined=pipelined)
     harness.add("a", [10, 11, 12], max_tokens=20)
     harness.step()
     harness.add("b", list(range(10, 30)), max_tokens=20)
@@ -129,12 +175,15 @@ def test_decodes_come_before_prefill_chunks() -> None:
     assert [(i.request.request_id, i.num_tokens) for i in batch.scheduled] == [("a", 1), ("b", 20)]
 
 
-def test_chunked_prefill_splits_a_long_prompt_within_the_budget() -> None:
-    harness = Harness(config(max_num_batched_tokens=16, enable_prefix_caching=False), 64)
+def test_chunked_prefill_splits_a_long_prompt_within_the_budget(pipelined: bool) -> None:
+    harness = Harness(
+        config(max_num_batched_tokens=16, enable_prefix_caching=False), 64, pipelined=pipelined
+    )
     prompt = list(range(10, 60))
     harness.add("long", prompt, max_tokens=3)
     chunks = [harness.step().scheduled[0].num_tokens for _ in range(4)]
     assert chunks == [16, 16, 16, 2]
+    harness.drain()
     # Only the step that completed the prompt sampled a token.
     assert harness.tokens("long") == [10]
     harness.run()
@@ -166,16 +215,16 @@ def test_max_model_len_must_fit_the_kv_cache() -> None:
         Scheduler(config(max_model_len=100), 10, EOS)
 
 
-def test_priority_then_arrival_order_at_admission() -> None:
-    harness = Harness(config(max_num_seqs=1), 64)
+def test_priority_then_arrival_order_at_admission(pipelined: bool) -> None:
+    harness = Harness(config(max_num_seqs=1), 64, pipelined=pipelined)
     for request_id, priority in [("a", 2), ("b", 0), ("c", 1), ("d", 0), ("e", 2)]:
         harness.add(request_id, [10, 11], max_tokens=2, priority=priority)
     harness.run()
     assert harness.first_scheduled == ["b", "d", "c", "a", "e"]
 
 
-def test_no_starvation_under_a_steady_stream_of_arrivals() -> None:
-    harness = Harness(config(max_num_seqs=4, max_num_batched_tokens=32), 20)
+def test_no_starvation_under_a_steady_stream_of_arrivals(pipelined: bool) -> None:
+    harness = Harness(config(max_num_seqs=4, max_num_batched_tokens=32), 20, pipelined=pipelined)
     arrivals: list[str] = []
     for step in range(150):
         for k in range(2):
@@ -219,9 +268,9 @@ def test_prefix_caching_disabled_never_hits() -> None:
     assert harness.scheduler.prefix_cache_stats.num_hit_tokens == 0
 
 
-def test_preemption_in_a_tiny_pool_still_gives_every_exact_output() -> None:
+def test_preemption_in_a_tiny_pool_still_gives_every_exact_output(pipelined: bool) -> None:
     # 12 blocks of 4 = 48 tokens for 12 requests that each grow to ~40 tokens.
-    harness = Harness(config(max_num_batched_tokens=64, max_model_len=48), 12)
+    harness = Harness(config(max_num_batched_tokens=64, max_model_len=48), 12, pipelined=pipelined)
     prompts = {f"r{i}": [10 + i, *range(20, 36 + i)] for i in range(12)}
     for request_id, prompt in prompts.items():
         harness.add(request_id, prompt, max_tokens=40)
@@ -245,8 +294,8 @@ def test_preempted_request_keeps_its_output_and_recomputes_it() -> None:
     assert harness.tokens("new") == expected_echo(list(range(30, 40)), 12)
 
 
-def test_eos_finishes_with_stop() -> None:
-    harness = Harness(config(), 16)
+def test_eos_finishes_with_stop(pipelined: bool) -> None:
+    harness = Harness(config(), 16, pipelined=pipelined)
     harness.add("a", [10, 11, 12], max_tokens=10)
     harness.run()
     assert harness.tokens("a") == [10, 11, 12, EOS]
@@ -254,8 +303,8 @@ def test_eos_finishes_with_stop() -> None:
     assert (last.finish_reason, last.stop_reason) == (FinishReason.STOP, None)
 
 
-def test_stop_token_id_finishes_with_its_id_as_stop_reason() -> None:
-    harness = Harness(config(), 16)
+def test_stop_token_id_finishes_with_its_id_as_stop_reason(pipelined: bool) -> None:
+    harness = Harness(config(), 16, pipelined=pipelined)
     harness.add("a", [10, 11, 12, 13], max_tokens=10, stop_token_ids=[12])
     harness.run()
     assert harness.tokens("a") == [10, 11, 12]
@@ -263,63 +312,63 @@ def test_stop_token_id_finishes_with_its_id_as_stop_reason() -> None:
     assert (last.finish_reason, last.stop_reason) == (FinishReason.STOP, 12)
 
 
-def test_max_tokens_finishes_with_length() -> None:
-    harness = Harness(config(), 16)
+def test_max_tokens_finishes_with_length(pipelined: bool) -> None:
+    harness = Harness(config(), 16, pipelined=pipelined)
     harness.add("a", [10, 11, 12, 13], max_tokens=2)
     harness.run()
     assert harness.tokens("a") == [10, 11]
     assert harness.finish("a") is FinishReason.LENGTH
 
 
-def test_max_model_len_finishes_with_length() -> None:
-    harness = Harness(config(max_model_len=6), 16)
+def test_max_model_len_finishes_with_length(pipelined: bool) -> None:
+    harness = Harness(config(max_model_len=6), 16, pipelined=pipelined)
     harness.add("a", [10, 11, 12, 13], max_tokens=None)
     harness.run()
     assert harness.tokens("a") == [10, 11]
     assert harness.finish("a") is FinishReason.LENGTH
 
 
-def test_max_model_len_can_be_passed_in_when_not_configured() -> None:
-    harness = Harness(config(), 16, max_model_len=7)
+def test_max_model_len_can_be_passed_in_when_not_configured(pipelined: bool) -> None:
+    harness = Harness(config(), 16, max_model_len=7, pipelined=pipelined)
     harness.add("a", [10, 11, 12, 13], max_tokens=None, ignore_eos=True)
     harness.run()
     assert harness.tokens("a") == [10, 11, 12]
 
 
-def test_min_tokens_suppresses_eos_until_reached() -> None:
-    harness = Harness(config(), 16)
+def test_min_tokens_suppresses_eos_until_reached(pipelined: bool) -> None:
+    harness = Harness(config(), 16, pipelined=pipelined)
     harness.add("a", [10, 11], max_tokens=20, min_tokens=5)
     harness.run()
     assert harness.tokens("a") == [10, 11, EOS, 10, 11, EOS]
     assert harness.finish("a") is FinishReason.STOP
 
 
-def test_min_tokens_suppresses_stop_tokens_until_reached() -> None:
-    harness = Harness(config(), 16)
+def test_min_tokens_suppresses_stop_tokens_until_reached(pipelined: bool) -> None:
+    harness = Harness(config(), 16, pipelined=pipelined)
     harness.add("a", [10, 11], max_tokens=20, min_tokens=2, stop_token_ids=[11], ignore_eos=True)
     harness.run()
     assert harness.tokens("a") == [10, 11, EOS, 10, 11]
     assert harness.outputs["a"][-1].stop_reason == 11
 
 
-def test_ignore_eos_runs_to_max_tokens() -> None:
-    harness = Harness(config(), 16)
+def test_ignore_eos_runs_to_max_tokens(pipelined: bool) -> None:
+    harness = Harness(config(), 16, pipelined=pipelined)
     harness.add("a", [10, 11], max_tokens=7, ignore_eos=True)
     harness.run()
     assert harness.tokens("a") == [10, 11, EOS, 10, 11, EOS, 10]
     assert harness.finish("a") is FinishReason.LENGTH
 
 
-def test_eos_at_max_tokens_reports_stop() -> None:
-    harness = Harness(config(), 16)
+def test_eos_at_max_tokens_reports_stop(pipelined: bool) -> None:
+    harness = Harness(config(), 16, pipelined=pipelined)
     harness.add("a", [10, 11], max_tokens=3)
     harness.run()
     assert harness.tokens("a") == [10, 11, EOS]
     assert harness.finish("a") is FinishReason.STOP
 
 
-def test_logprobs_pass_through_to_outputs() -> None:
-    harness = Harness(config(), 16)
+def test_logprobs_pass_through_to_outputs(pipelined: bool) -> None:
+    harness = Harness(config(), 16, pipelined=pipelined)
     harness.add("a", [10, 11], max_tokens=2, logprobs=2)
     harness.add("b", [10, 11], max_tokens=2)
     harness.run()
@@ -376,10 +425,10 @@ def _check_ref_counts(harness: Harness) -> None:
     assert pool.num_used_blocks == len(holders)
 
 
-def test_block_accounting_survives_a_random_mix_of_operations() -> None:
+def test_block_accounting_survives_a_random_mix_of_operations(pipelined: bool) -> None:
     rng = random.Random(20240521)
     cfg = config(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=64)
-    harness = Harness(cfg, 24)
+    harness = Harness(cfg, 24, pipelined=pipelined)
     prefixes = [[rng.randrange(10, 60) for _ in range(12)] for _ in range(4)]
     aborted_in: Counter[str] = Counter()
     live: list[str] = []
@@ -426,3 +475,40 @@ def _state_name(request: Request) -> str:
     if request.status is RequestStatus.RUNNING:
         return "decoding" if request.num_uncomputed_tokens == 1 else "prefilling"
     return request.status.value
+
+
+def test_pipelined_length_caps_waste_no_row_and_eos_wastes_one() -> None:
+    harness = Harness(config(), 16, pipelined=True)
+    harness.add("capped", [10, 11, 12], max_tokens=3)
+    harness.add("eos", [20, 21], max_tokens=10)
+    appearances: Counter[str] = Counter()
+    while harness.scheduler.has_unfinished_requests() or harness.in_flight:
+        appearances.update(item.request.request_id for item in harness.step().scheduled)
+    assert harness.tokens("capped") == [10, 11, 12]
+    assert harness.tokens("eos") == [20, 21, EOS]
+    # capped: its prompt, then two decodes; the step after its third token is never taken.
+    assert appearances["capped"] == 3
+    # eos: its prompt, two decodes, and one row scheduled before EOS was seen (dropped).
+    assert appearances["eos"] == 4
+    assert harness.finish("eos") is FinishReason.STOP
+    harness.assert_all_blocks_free()
+
+
+def test_pipelined_preemption_takes_victims_whose_step_is_in_flight() -> None:
+    harness = Harness(config(max_num_batched_tokens=64, max_model_len=48), 12, pipelined=True)
+    in_flight_victims = []
+    preempt = harness.scheduler._preempt
+
+    def recording_preempt(request: Request) -> None:
+        in_flight_victims.append(request.num_inflight_tokens > 0)
+        preempt(request)
+
+    harness.scheduler._preempt = recording_preempt  # type: ignore[method-assign]
+    prompts = {f"r{i}": [10 + i, *range(20, 36 + i)] for i in range(12)}
+    for request_id, prompt in prompts.items():
+        harness.add(request_id, prompt, max_tokens=40)
+    harness.run()
+    assert any(in_flight_victims)
+    for request_id, prompt in prompts.items():
+        assert harness.tokens(request_id) == expected_echo(prompt, 40, max_model_len=48)
+    harness.assert_all_blocks_free()

@@ -9,6 +9,7 @@ benchmarked on a CPU with hundreds of concurrent requests.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from inlinelm.config import EngineConfig
 from inlinelm.sched.output import (
@@ -21,10 +22,13 @@ from inlinelm.sched.request import Request
 
 
 class EchoRunner:
-    """Implements :class:`~inlinelm.sched.output.Runner` without a model.
+    """Implements :class:`~inlinelm.sched.output.PipelinedRunner` without a model.
 
-    ``config.echo_step_s`` is slept once per step (releasing the GIL) to stand in for a
-    device step. With ``check_kv`` it keeps a fake KV cache of token ids and checks, every
+    It stands in for a device with a ``config.echo_step_s`` step: :meth:`submit` does the
+    host work (picking the tokens) and launches the step, which ends ``echo_step_s`` after
+    both its launch and the end of the step before it (one stream); :meth:`collect`
+    sleeps, releasing the GIL, until the oldest step has ended. :meth:`execute` is the two
+    back to back. With ``check_kv`` it keeps a fake KV cache of token ids and checks, every
     step, that each scheduled request's blocks hold exactly its tokens: a prefix-cache or
     block-accounting bug then fails the step.
     """
@@ -45,28 +49,48 @@ class EchoRunner:
         self._kv: list[list[int]] | None = None
         if check_kv:
             self._kv = [[-1] * config.block_size for _ in range(num_kv_blocks)]
+        self._in_flight: deque[tuple[float, ModelRunnerOutput]] = deque()
+        self._device_free_at = 0.0
 
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
-        """Echo one token for every request that reaches the end of its known tokens."""
-        if self.step_s > 0:
-            time.sleep(self.step_s)
-        self.num_steps += 1
+        """Run one step and wait for it."""
+        self.submit(batch)
+        return self.collect()
+
+    def submit(self, batch: SchedulerOutput) -> None:
+        """Echo one token for every scheduled request that samples, and launch the step."""
         out = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        req_ids, sampled = out.req_ids, out.sampled_token_ids
+        num_top: list[int | None] = []
         for item in batch.scheduled:
-            self._write_kv(item)
-            request = item.request
-            # Same rule as the model runner: sample once the last known token is computed.
-            if request.num_computed_tokens + item.num_tokens >= request.num_tokens:
-                out.req_ids.append(request.request_id)
-                out.sampled_token_ids.append(self.next_token(request))
-        out.logprobs = self._logprobs(batch, out)
+            if self._kv is not None:
+                self._write_kv(item)
+            if item.samples:
+                request = item.request
+                req_ids.append(request.request_id)
+                end = item.start + item.num_tokens
+                sampled.append(self.next_token(request, end - len(request.prompt_token_ids)))
+                num_top.append(request.params.logprobs)
+        if any(n is not None for n in num_top):
+            out.logprobs = [_scripted_logprobs(t, n) for t, n in zip(sampled, num_top, strict=True)]
+        ready_at = max(time.perf_counter(), self._device_free_at) + self.step_s
+        self._device_free_at = ready_at
+        self._in_flight.append((ready_at, out))
+
+    def collect(self) -> ModelRunnerOutput:
+        """Wait for the oldest submitted step to end and return its tokens."""
+        ready_at, out = self._in_flight.popleft()
+        delay = ready_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        self.num_steps += 1
         return out
 
-    def next_token(self, request: Request) -> int:
-        """The token this runner emits after ``request``'s current output."""
+    def next_token(self, request: Request, index: int) -> int:
+        """The token this runner emits as ``request``'s output number ``index`` (from 0)."""
         prompt = request.prompt_token_ids
         cycle = len(prompt) + (self.eos_token_id is not None)
-        position = request.num_output_tokens % cycle
+        position = index % cycle
         if position == len(prompt):
             assert self.eos_token_id is not None
             return self.eos_token_id
@@ -75,14 +99,22 @@ class EchoRunner:
     def close(self) -> None:
         """Drop the fake KV cache."""
         self._kv = None
+        self._in_flight.clear()
+
+    def _token_at(self, request: Request, position: int) -> int:
+        """The request's token at ``position``: known on the engine thread, or echoed by a
+        step still in flight (what a device reads from its own sampled tokens)."""
+        tokens = request.all_token_ids
+        if position < len(tokens):
+            return tokens[position]
+        return self.next_token(request, position - len(request.prompt_token_ids))
 
     def _write_kv(self, item: ScheduledRequest) -> None:
-        if self._kv is None:
-            return
-        request, start = item.request, item.request.num_computed_tokens
+        assert self._kv is not None
+        request, start = item.request, item.start
         for position in range(start, start + item.num_tokens):
             block_id = request.block_ids[position // self.block_size]
-            self._kv[block_id][position % self.block_size] = request.all_token_ids[position]
+            self._kv[block_id][position % self.block_size] = self._token_at(request, position)
         self._check_kv(request, start + item.num_tokens)
 
     def _check_kv(self, request: Request, num_tokens: int) -> None:
@@ -91,21 +123,9 @@ class EchoRunner:
         for position in range(num_tokens):
             block_id = request.block_ids[position // self.block_size]
             stored = self._kv[block_id][position % self.block_size]
-            assert stored == request.all_token_ids[position], (
+            assert stored == self._token_at(request, position), (
                 f"{request.request_id}: KV at {position} holds {stored}"
             )
-
-    def _logprobs(
-        self, batch: SchedulerOutput, out: ModelRunnerOutput
-    ) -> list[TokenLogprobs | None] | None:
-        """Scripted logprobs for requests that ask: the echoed token is certain (0.0)."""
-        wanted = {i.request.request_id: i.request.params.logprobs for i in batch.scheduled}
-        if all(wanted[req_id] is None for req_id in out.req_ids):
-            return None
-        return [
-            _scripted_logprobs(token, wanted[req_id])
-            for req_id, token in zip(out.req_ids, out.sampled_token_ids, strict=True)
-        ]
 
 
 def _scripted_logprobs(token_id: int, num_top: int | None) -> TokenLogprobs | None:

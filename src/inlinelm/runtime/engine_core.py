@@ -10,11 +10,20 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from inlinelm.config import EngineConfig
-from inlinelm.sched.output import EngineCoreOutput, EngineCoreOutputs, FinishReason, Runner
+from inlinelm.sched.output import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    ModelRunnerOutput,
+    PipelinedRunner,
+    Runner,
+    SchedulerOutput,
+)
 from inlinelm.sched.request import Request
 from inlinelm.sched.scheduler import Scheduler
 
@@ -169,6 +178,9 @@ class EngineCore:
             self._sink(EngineCoreOutputs(outputs=[], step_index=self._step_index, error=error))
 
     def _loop(self) -> None:
+        if self.config.async_scheduling and isinstance(self.runner, PipelinedRunner):
+            self._loop_pipelined(self.runner)
+            return
         while not self._shutdown:  # NOTE: a Shutdown drained mid-step must not block below.
             busy = self.scheduler.has_unfinished_requests()
             self._drain_inputs(block=not busy and not self._pending)
@@ -190,8 +202,44 @@ class EngineCore:
         # returned: freeing an aborted request's blocks earlier could hand them to another
         # request while this step still writes them. An aborted request gets no token from
         # this step (update_from_output skips finished requests).
+        # 4) apply what was sampled, and post
+        self._finish_step(out, batch, step_start)
+
+    def _loop_pipelined(self, runner: PipelinedRunner) -> None:
+        """Like :meth:`_loop`, but step N+1 is scheduled and submitted before step N is
+        collected, so the scheduler's and this thread's Python run while the device works.
+
+        Inputs are applied between steps as in :meth:`_loop`; freeing blocks of a request
+        in the step still in flight is safe because the device runs steps in order.
+        """
+        in_flight: deque[tuple[SchedulerOutput, float]] = deque()
+        while not self._shutdown:  # NOTE: a Shutdown drained mid-step must not block below.
+            busy = in_flight or self.scheduler.has_unfinished_requests()
+            self._drain_inputs(block=not busy and not self._pending)
+            if self._shutdown:
+                break  # the step in flight finishes first, below
+            submitted = False
+            if self.scheduler.has_unfinished_requests():
+                step_start = time.perf_counter()
+                batch = self.scheduler.schedule()
+                if batch.scheduled:
+                    runner.submit(batch)
+                    in_flight.append((batch, step_start))
+                    submitted = True
+                else:
+                    self.scheduler.keep_removed(batch.removed_ids)
+            if len(in_flight) > 1 or (in_flight and not submitted):
+                self._finish_step(runner.collect(), *in_flight.popleft())
+            elif self._pending and not in_flight:
+                self._flush_pending()
+        while in_flight:
+            self._finish_step(runner.collect(), *in_flight.popleft())
+
+    def _finish_step(
+        self, out: ModelRunnerOutput, batch: SchedulerOutput, step_start: float
+    ) -> None:
+        """Apply aborts that arrived meanwhile, then the step's tokens; post the outputs."""
         self._drain_inputs(block=False)
-        # 4) apply what was sampled
         outputs = self.scheduler.update_from_output(batch, out)
         self._step_index += 1
         self._publish_stats()

@@ -77,14 +77,19 @@ class KVCacheManager:
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> bool:
-        """Make room for ``num_new_tokens`` more tokens after the computed ones.
+        """Make room for ``num_new_tokens`` more tokens after the computed and in-flight ones.
 
         ``computed`` (at admission only) is the prefix from :meth:`get_computed_blocks`; it
         is taken along with the new blocks and its tokens count as computed. Returns False,
         changing nothing, when the pool is short.
         """
         hit = computed or ComputedBlocks()
-        num_tokens = request.num_computed_tokens + hit.num_tokens + num_new_tokens
+        num_tokens = (
+            request.num_computed_tokens
+            + request.num_inflight_tokens
+            + hit.num_tokens
+            + num_new_tokens
+        )
         num_held = len(request.block_ids) + len(hit.block_ids)
         num_needed = max(-(-num_tokens // self.block_size) - num_held, 0)
         # Idle cached blocks sit in the free queue: taking them uses up free blocks too.

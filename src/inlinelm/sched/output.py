@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from inlinelm.sched.request import Request
@@ -24,10 +24,19 @@ class FinishReason(enum.Enum):
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """One request in a step: compute ``num_tokens`` tokens from ``request.num_computed_tokens``."""
+    """One request in a step: compute ``num_tokens`` tokens from position ``start``.
+
+    ``start`` is ``request.num_computed_tokens`` plus whatever an earlier step still in
+    flight computes; ``samples`` says the step samples this request's next token.
+    ``epoch`` is the request's preemption count when scheduled: a step's result for a
+    request preempted since then is dropped.
+    """
 
     request: Request
     num_tokens: int
+    start: int = 0
+    samples: bool = False
+    epoch: int = 0
 
 
 @dataclass(slots=True)
@@ -98,4 +107,23 @@ class Runner(Protocol):
 
     def close(self) -> None:
         """Release weights, the KV cache and any device memory."""
+        ...
+
+
+@runtime_checkable
+class PipelinedRunner(Runner, Protocol):
+    """A runner whose device works while the engine thread schedules the next step.
+
+    Steps run on the device strictly in submission order (one stream), so blocks freed
+    on the engine thread while a step is in flight can go to any later step: the
+    in-flight step's writes land before the later step's. A decode scheduled while the
+    step that samples its input token is in flight reads that token on the device.
+    """
+
+    def submit(self, batch: SchedulerOutput) -> None:
+        """Launch one step and return without waiting for it."""
+        ...
+
+    def collect(self) -> ModelRunnerOutput:
+        """Wait for the oldest submitted step and return its sampled tokens."""
         ...

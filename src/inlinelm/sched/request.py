@@ -1,7 +1,8 @@
 """Engine-side request state: plain data owned by the engine thread.
 
 The scheduler mutates it; the runner reads it (``request_id``, ``prompt_token_ids``,
-``output_token_ids``, ``all_token_ids``, ``num_computed_tokens``, ``block_ids``, ``params``).
+``output_token_ids``, ``all_token_ids``, ``block_ids``, ``params``, and the position to
+compute from in each :class:`~inlinelm.sched.output.ScheduledRequest`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ class Request:
     # of the tokens, so they stay valid across preemption).
     block_hashes: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Scheduled in a step whose output is not applied yet (only with a pipelined runner can
+    # these be nonzero when the next step is scheduled): tokens being computed, and tokens
+    # being sampled (placeholders for output not known on this thread yet).
+    num_inflight_tokens: int = 0
+    num_pending_samples: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     _all_token_ids: list[int] = field(init=False, repr=False)

@@ -1,7 +1,11 @@
 """The scheduler: decides what each engine step computes and applies what it sampled.
 
-It runs on the engine thread only. One step is ``schedule()`` → ``runner.execute()`` →
-``update_from_output()``; nothing else may run between the first two.
+It runs on the engine thread only. One step is ``schedule()`` → the runner →
+``update_from_output()``. With a pipelined runner the next ``schedule()`` comes before the
+previous step's update: requests then carry in-flight tokens and pending samples, and a
+decode is scheduled on a token not known here yet (the device has it). A request sure to
+finish in the step in flight (its length caps) is not scheduled again; one that stops on
+EOS or a stop token wastes one row of the next step, whose result is dropped.
 
 Policy, in order of precedence:
 
@@ -220,19 +224,29 @@ class Scheduler:
         return SchedulerOutput(scheduled, num_batched_tokens, removed_ids)
 
     def _schedule_running(self, budget: _Budget, scheduled: list[ScheduledRequest]) -> None:
-        decodes: list[Request] = []
-        prefills: list[Request] = []
+        decodes: list[tuple[Request, int]] = []
+        prefills: list[tuple[Request, int]] = []
+        max_model_len = self.max_model_len
         for request in self.running:  # one pass: this runs for every request every step
-            (decodes if request.num_uncomputed_tokens == 1 else prefills).append(request)
-        for request in decodes + prefills:
+            pending = request.num_pending_samples
+            num_known = len(request.all_token_ids)
+            if pending and (
+                num_known + pending >= max_model_len or _reaches_max_tokens(request, pending)
+            ):
+                continue  # the step in flight finishes it
+            left = num_known + pending - request.num_computed_tokens - request.num_inflight_tokens
+            if left == 1:
+                decodes.append((request, left))
+            elif left > 1:
+                prefills.append((request, left))
+        for request, left in decodes + prefills:
             if budget.exhausted:
                 return
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_tokens = self._num_tokens_to_schedule(request.num_uncomputed_tokens, budget)
+            num_tokens = self._num_tokens_to_schedule(left, budget)
             if num_tokens and self._allocate_or_preempt(request, num_tokens, scheduled):
-                scheduled.append(ScheduledRequest(request, num_tokens))
-                budget.take(num_tokens)
+                self._take(request, num_tokens, left, budget, scheduled)
 
     def _schedule_waiting(self, budget: _Budget, scheduled: list[ScheduledRequest]) -> None:
         while not budget.exhausted and len(self.running) < self.max_num_seqs:
@@ -251,9 +265,26 @@ class Scheduler:
             request.num_cached_tokens = computed.num_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        scheduled.append(ScheduledRequest(request, num_tokens))
-        budget.take(num_tokens)
+        self._take(request, num_tokens, num_new, budget, scheduled)
         return True
+
+    @staticmethod
+    def _take(
+        request: Request,
+        num_tokens: int,
+        num_left: int,
+        budget: _Budget,
+        scheduled: list[ScheduledRequest],
+    ) -> None:
+        """Put ``num_tokens`` of the ``num_left`` uncomputed tokens into this step."""
+        samples = num_tokens == num_left
+        start = request.num_computed_tokens + request.num_inflight_tokens
+        scheduled.append(
+            ScheduledRequest(request, num_tokens, start, samples, request.num_preemptions)
+        )
+        request.num_inflight_tokens += num_tokens
+        request.num_pending_samples += samples
+        budget.take(num_tokens)
 
     def _num_tokens_to_schedule(self, num_uncomputed: int, budget: _Budget) -> int:
         """How many of ``num_uncomputed`` tokens fit this step (0: none)."""
@@ -267,7 +298,7 @@ class Scheduler:
         """Allocate slots for ``request``, preempting others (or itself) until they fit."""
         # NOTE: the common decode case first: the tokens fit in the blocks it already holds.
         if (
-            request.num_computed_tokens + num_tokens
+            request.num_computed_tokens + request.num_inflight_tokens + num_tokens
             <= len(request.block_ids) * self.config.block_size
         ):
             return True
@@ -281,6 +312,8 @@ class Scheduler:
     def _pick_victim(self, scheduled: list[ScheduledRequest]) -> Request:
         # NOTE: requests already in this step's batch are never victims: their blocks are
         # about to be written. The caller itself is unscheduled, so a victim always exists.
+        # A victim may be in a step still in flight: that step's writes to its blocks land
+        # before this step's (device order), and its result for the victim is dropped.
         taken = {item.request.request_id for item in scheduled}
         candidates = [r for r in reversed(self.running) if r.request_id not in taken]
         return max(candidates, key=lambda r: r.priority)
@@ -291,10 +324,16 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_inflight_tokens = 0
+        request.num_pending_samples = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._removed_ids.append(request.request_id)
         self.waiting.push(request)
+
+    def keep_removed(self, request_ids: list[str]) -> None:
+        """Hand these removed ids to the runner with the next batch (this one never ran)."""
+        self._removed_ids[:0] = request_ids
 
     # -- update ----------------------------------------------------------------------
 
@@ -304,15 +343,18 @@ class Scheduler:
         """Apply one executed step: advance progress, append sampled tokens, finish requests.
 
         Returns one output per request that got a token this step. Requests finished (e.g.
-        aborted) after ``batch`` was scheduled are skipped.
+        aborted) or preempted after ``batch`` was scheduled are skipped.
         """
         sampled = {request_id: i for i, request_id in enumerate(out.req_ids)}
         outputs = []
+        running = RequestStatus.RUNNING
         for item in batch.scheduled:
             request = item.request
-            if request.is_finished:
-                continue  # aborted while the step ran
+            if request.status is not running or item.epoch != request.num_preemptions:
+                continue  # aborted, finished or preempted while the step ran
             request.num_computed_tokens += item.num_tokens
+            request.num_inflight_tokens -= item.num_tokens
+            request.num_pending_samples -= item.samples
             self.kv_cache.cache_full_blocks(request)
             index = sampled.get(request.request_id)
             if index is not None:
@@ -389,6 +431,11 @@ class Scheduler:
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len",
                 param="max_num_batched_tokens",
             )
+
+
+def _reaches_max_tokens(request: Request, pending: int) -> bool:
+    max_tokens = request.params.max_tokens
+    return max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens
 
 
 def _logprobs_at(out: ModelRunnerOutput, index: int) -> list[TokenLogprobs] | None:

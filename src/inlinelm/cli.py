@@ -23,7 +23,7 @@ ENGINE_HELP: dict[str, str] = {
     "tokenizer": "a tokenizer folder, when it is not the model's own",
     "runner": '"model" runs the weights; "echo" echoes each prompt (no weights: tests, benchmarks)',
     "device": 'where the model runs: "cpu", "cuda" or "cuda:N"',
-    "num_threads": "CPU threads for the model (default: all cores but one, left to the event loop)",
+    "num_threads": "CPU threads for the model (default: every core)",
     "dtype": "weight and activation dtype: float32, bfloat16 or float16",
     "seed": "the engine's base random seed (requests without a seed draw from it)",
     "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's own",

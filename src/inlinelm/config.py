@@ -24,7 +24,7 @@ class EngineConfig:
     runner: RunnerKind = "model"
     device: str = "cpu"
     dtype: str = "float32"
-    # CPU intra-op threads; None leaves one core for the event loop (see docs/architecture.md).
+    # CPU intra-op threads; None uses every core (see docs/architecture.md).
     num_threads: int | None = None
     seed: int = 0
     # Scheduling

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from inlinelm.gpu.llama import Linear, onednn_packing_available
 from tests.gpu.conftest import GreedyReference
 from tests.gpu.reference import (
     PROMPTS,
@@ -46,3 +47,43 @@ def test_default_model_answers_sensibly(default_model_dir: Path, tokenizer: Any)
     ids = tokenizer("The capital of France is").input_ids
     text = tokenizer.decode(PagedGreedyDriver(ours).generate([ids], max_new_tokens=8, chunk=64)[0])
     assert "Paris" in text
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_onednn_packed_linear_equals_the_plain_matmul(bias: bool, rows: int) -> None:
+    if not onednn_packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    torch.manual_seed(rows)
+    layer = Linear(96, 320, bias=bias)
+    torch.nn.init.normal_(layer.weight_t)
+    if layer.bias is not None:
+        torch.nn.init.normal_(layer.bias)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        expected = layer(x)
+        layer.pack_for_onednn()
+        got = layer(x)
+    assert layer.weight_t.numel() == 0  # the plain copy is dropped
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_cpu_float32_model_keeps_only_packed_weights(tiny_model_dir: Path) -> None:
+    if not onednn_packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    linears = [m for m in load_ours(tiny_model_dir).modules() if isinstance(m, Linear)]
+    assert linears
+    assert all(m._packed is not None and m.weight_t.numel() == 0 for m in linears)
+
+
+def test_one_sequence_alone_decodes_like_transformers(
+    model_dir: Path, tokenizer: Any, greedy_reference: GreedyReference
+) -> None:
+    """A lone decode row is attended on one thread; the answer and thread count stay put."""
+    threads = torch.get_num_threads()
+    ours = load_ours(model_dir)
+    for i in (1, 4):
+        ids = tokenizer(PROMPTS[i]).input_ids
+        got = PagedGreedyDriver(ours).generate([ids], max_new_tokens=32, chunk=64)
+        assert got == [greedy_reference(model_dir)[i]]
+    assert torch.get_num_threads() == threads

@@ -26,8 +26,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_BYTES_CAP = 2 * 1024**3
-# Steps with at least this many tokens are compute-bound enough to use every core.
-PREFILL_THREADS_MIN_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +102,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache()
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
         self.sampler = Sampler()
-        # Decode reads weights (memory-bound): leave a core to the event loop. A large prefill
-        # is compute-bound: it gets every core. An explicit num_threads fixes both.
-        self.num_threads = config.num_threads or default_num_threads()
-        self.num_prefill_threads = config.num_threads or _num_cores()
+        # Every core, for decode too: oneDNN splits even a one-row GEMV over the intra-op
+        # threads (see docs/architecture.md, "CPU threads").
+        self.num_threads = config.num_threads or _num_cores()
         self._current_threads = 0
         self._prepared_thread: int | None = None
 
@@ -146,17 +143,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_flush_denormal(True)
 
-    def _set_threads(self, num_tokens: int) -> None:
-        if self.device.type != "cpu":
-            return
-        wanted = (
-            self.num_prefill_threads
-            if num_tokens >= PREFILL_THREADS_MIN_TOKENS
-            else self.num_threads
-        )
-        if wanted != self._current_threads:
-            torch.set_num_threads(wanted)
-            self._current_threads = wanted
+    def _set_threads(self) -> None:
+        if self.device.type == "cpu" and self._current_threads != self.num_threads:
+            torch.set_num_threads(self.num_threads)
+            self._current_threads = self.num_threads
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
@@ -168,7 +158,7 @@ class ModelRunner:
         rows, num_scheduled, num_computed = self._sync_rows(batch)
         # 2) build the flat inputs and run the model on the rows that sample
         inputs = self.batch.prepare(rows, num_scheduled, num_computed)
-        self._set_threads(batch.num_batched_tokens)
+        self._set_threads()
         logits = self._forward(inputs)
         if len(inputs.sampling_rows) == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -279,13 +269,6 @@ class ModelRunner:
         del self.model
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def default_num_threads() -> int:
-    """All cores but one: the event loop needs a core of its own, and intra-op threads that
-    share a core with a busy thread stall each other at every barrier (a decode step
-    ran ~6x slower here with one competing busy process and two intra-op threads)."""
-    return max(1, _num_cores() - 1)
 
 
 def _num_cores() -> int:

@@ -12,7 +12,12 @@ import torch
 
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.attention import AttentionBackend
-from inlinelm.gpu.llama import Linear, LlamaForCausalLM, RotaryEmbedding
+from inlinelm.gpu.llama import (
+    Linear,
+    LlamaForCausalLM,
+    RotaryEmbedding,
+    onednn_packing_available,
+)
 from inlinelm.gpu.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -53,6 +58,10 @@ def load_model(
     _check_complete(folder, cfg, params, loaded)
     if cfg.tie_word_embeddings:
         model.lm_head.weight_t.data.copy_(model.embed_tokens.weight.data.t())
+    if onednn_packing_available(device, dtype):
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.pack_for_onednn()
     logger.info("loaded %s weights in %.2f s", folder.name, time.perf_counter() - start)
     return model.eval()
 

@@ -8,6 +8,11 @@
     left padding) and transformers continuous batching (``ContinuousBatchingManager``, the
     engine behind ``generate_batch``, with per-token timestamps).
 
+transformers runs in a child process with its own torch runtime, driven from this script and
+alternating with inlinelm for (a): torch's thread count is process-wide and OpenMP throttles
+its idle-spinning when more threads than cores live in one process, so sharing a process
+lets either system's settings leak into the other's timings.
+
 Everyone decodes greedily with EOS ignored (inlinelm ``ignore_eos``, ``generate``
 ``min_new_tokens``, continuous batching ``eos_token_id=-1``), so every request makes exactly
 64 tokens; the run checks that, and counts how many of the 32 outputs are identical across
@@ -21,6 +26,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import multiprocessing as mp
 import random
 import sys
 import time
@@ -182,6 +188,58 @@ class _StepClock:
         return scores
 
 
+class TransformersPeer:
+    """transformers in a spawned child process; :meth:`call` runs one of its measurements."""
+
+    def __init__(self, folder: Path) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_peer_main, args=(str(folder), child), daemon=True)
+        self._proc.start()
+        child.close()
+        self.info: dict[str, Any] = self._receive()  # sent once the model is loaded and warm
+
+    def call(self, name: str, *args: Any) -> Any:
+        self._conn.send((name, args))
+        return self._receive()
+
+    def close(self) -> None:
+        self._conn.send(("exit", ()))
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+    def _receive(self) -> Any:
+        if not self._conn.poll(1800):
+            raise RuntimeError("the transformers process sent nothing for 30 minutes")
+        result = self._conn.recv()
+        if isinstance(result, dict) and "peer_error" in result:
+            raise RuntimeError(f"transformers process: {result['peer_error']}")
+        return result
+
+
+def _peer_main(folder: str, conn: Any) -> None:
+    """The child process: load transformers' model, warm it up, then serve measurements."""
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        model, tokenizer = load_hf(Path(folder))
+        hf_static(model, tokenizer, [[1, 2, 3, 4]], 4)  # warm-up
+        hf_continuous(model, [[1, 2, 3, 4], [5, 6, 7]], 4, 2048)  # warm-up
+        conn.send({"torch_threads": torch.get_num_threads()})
+        while True:
+            name, args = conn.recv()
+            if name == "exit":
+                return
+            if name == "static":
+                conn.send(hf_static(model, tokenizer, *args))
+            elif name == "continuous":
+                conn.send(hf_continuous(model, *args))
+    except BaseException as e:
+        conn.send({"peer_error": repr(e)})
+    finally:
+        conn.close()
+
+
 def load_hf(folder: Path) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -286,10 +344,13 @@ def main() -> None:
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    from transformers import AutoTokenizer
+
     from inlinelm.gpu.model_files import resolve_model
 
     folder = resolve_model("default").folder
-    model, tokenizer = load_hf(folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    peer = None if args.skip_transformers else TransformersPeer(folder)
     prompts = make_prompts(tokenizer, args.requests, args.max_context)
     single = prompts[1]
     n = args.new_tokens
@@ -301,11 +362,11 @@ def main() -> None:
     )
 
     reference = None
-    if not args.skip_transformers:
-        hf_static(model, tokenizer, [single], 4)  # warm-up
+    if peer is not None:
+        transformers_peer = peer
 
         def reference() -> dict[str, Any]:
-            run = hf_static(model, tokenizer, [single], n)
+            run: dict[str, Any] = transformers_peer.call("static", [single], n)
             run["tokens"] = run["tokens"][0]
             return run
 
@@ -320,12 +381,13 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "inlinelm": ours,
     }
-    if s1 is not None:
-        sb = hf_static(model, tokenizer, prompts, n)
+    if peer is not None and s1 is not None:
+        report["transformers_torch_threads"] = peer.info["torch_threads"]
+        sb = peer.call("static", prompts, n)
         print("  transformers generate (32) done", flush=True)
-        hf_continuous(model, prompts[:2], 4, 2048)  # warm-up
-        cb = hf_continuous(model, prompts, n, 2048)
+        cb = peer.call("continuous", prompts, n, 2048)
         print("  transformers continuous batching done", flush=True)
+        peer.close()
         report["transformers_generate"] = {
             "single": {
                 k: s1[k] for k in ("ttft_ms", "ms_per_token", "runs_ms_per_token", "tokens")

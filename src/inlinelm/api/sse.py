@@ -146,17 +146,29 @@ async def _chunks(streams: Sequence[OutputStream], plan: StreamPlan) -> AsyncIte
         if opening is not None:
             yield frame(encode(header.chunk(fmt.chunk_object, [opening])))
     held: dict[int, list[TokenLogprobs]] = {}
-    counted: set[int] = set()
-    async with aclosing(merge_streams(streams)) as outputs:
-        async for prompt_index, out in outputs:
-            if prompt_index not in counted:
-                counted.add(prompt_index)
+    if len(streams) == 1:
+        # NOTE: the usual case reads its one stream directly: one async generator fewer
+        # between the collector and the socket, on every token.
+        first = True
+        async for out in streams[0]:
+            if first:
+                first = False
                 tally.prompt_tokens += len(out.prompt_token_ids)
-            frames = _step_frames(out, prompt_index * plan.n, plan, held)
-            for data, has_text in frames:
+            for data, has_text in _step_frames(out, 0, plan, held):
                 yield data
                 if has_text:
                     tally.wrote_tokens(plan.metrics)
+    else:
+        counted: set[int] = set()
+        async with aclosing(merge_streams(streams)) as outputs:
+            async for prompt_index, out in outputs:
+                if prompt_index not in counted:
+                    counted.add(prompt_index)
+                    tally.prompt_tokens += len(out.prompt_token_ids)
+                for data, has_text in _step_frames(out, prompt_index * plan.n, plan, held):
+                    yield data
+                    if has_text:
+                        tally.wrote_tokens(plan.metrics)
     if header.include_usage:
         yield frame(
             encode(
@@ -173,15 +185,17 @@ def _step_frames(
     ``held`` keeps the logprobs of tokens whose text was held back, per choice, so they
     travel with the text they belong to.
     """
-    header, fmt = plan.header, plan.format
+    header, fmt, tally = plan.header, plan.format, plan.tally
     frames: list[tuple[bytes, bool]] = []
     for choice in out.outputs:
         index = base + choice.index
-        plan.tally.completion_tokens += len(choice.token_ids)
-        logprobs = held.pop(index, []) + (choice.logprobs or [])
+        tally.completion_tokens += len(choice.token_ids)
+        logprobs = choice.logprobs or []
+        if held and index in held:
+            logprobs = held.pop(index) + logprobs
         reason = choice.finish_reason
         if reason is not None:
-            plan.tally.finish_reasons[index] = reason
+            tally.finish_reasons[index] = reason
         if choice.text:
             # NOTE: the last content chunk carries the real finish_reason itself.
             if plan.text_frame is not None and not logprobs:
@@ -189,7 +203,6 @@ def _step_frames(
             else:
                 delta = fmt.delta(index, choice.text, logprobs, reason)
                 frames.append((frame(encode(header.chunk(fmt.chunk_object, [delta]))), True))
-            logprobs = []
         elif reason is not None:
             closing = fmt.finish(index, reason, logprobs)
             frames.append((frame(encode(header.chunk(fmt.chunk_object, [closing]))), False))

@@ -68,15 +68,21 @@ class RequestOutputCollector:
 
     async def get(self) -> RequestOutput:
         """Wait for the next output; raises the exception put in its place."""
-        while self._output is None:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
         output = self.get_nowait()
-        assert output is not None
+        while output is None:
+            await self.ready()
+            output = self.get_nowait()
         return output
+
+    def ready(self) -> asyncio.Future[None]:
+        """A future that completes at the next :meth:`put` (then :meth:`get_nowait`).
+
+        A plain future rather than a coroutine: the reader awaits it with no extra frame.
+        Only the latest one is completed; a cancelled or abandoned one is simply skipped.
+        """
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiter = waiter
+        return waiter
 
     def _merge(self, current: RequestOutput, new: RequestOutput) -> None:
         for choice in new.outputs:

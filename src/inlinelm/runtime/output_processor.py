@@ -63,10 +63,21 @@ class OutputProcessor:
         step_start: float,
         to_abort: list[str],
     ) -> None:
+        # NOTE: runs once per token per request; the common case (a token, no finish, no
+        # logprobs, a stream that sends every step) takes no call it can avoid.
         parent = state.parent
-        self._record_timing(parent, out, now, step_start)
-        finish_reason, stop_reason = _finish_of(out)
+        finish_reason: str | None = None
+        stop_reason: int | str | None = None
+        if out.finish_reason is not None:
+            finish_reason, stop_reason = _finish_of(out)
         if out.new_token_ids:
+            metrics = parent.metrics
+            last = metrics.last_token_time
+            if metrics.first_token_time is None:
+                self._record_first_token(parent, out, now, step_start)
+            elif last is not None and now > last:
+                metrics.inter_token_latencies.append(now - last)
+            metrics.last_token_time = now
             stop = state.detokenizer.update(out.new_token_ids)
             if stop is not None and finish_reason is None:
                 finish_reason, stop_reason = "stop", stop
@@ -79,7 +90,9 @@ class OutputProcessor:
             parent.num_finished += 1
             if parent.finished:
                 self.remove(parent)
-        elif not self._due(state):
+        elif (
+            state.stream_interval != 1 or state.output_kind is OutputKind.FINAL_ONLY
+        ) and not self._due(state):
             return
         self._emit(state, finish_reason, stop_reason, to_abort)
         if finished and parent.finished:
@@ -92,23 +105,17 @@ class OutputProcessor:
             reason or "stop", m.ttft, m.inter_token_latencies, m.e2e, parent.collector.num_merges
         )
 
-    def _record_timing(
+    def _record_first_token(
         self, parent: ParentRequest, out: EngineCoreOutput, now: float, step_start: float
     ) -> None:
         metrics = parent.metrics
-        if not out.new_token_ids:
-            return
-        if metrics.first_token_time is None:
-            metrics.scheduled_time = step_start
-            metrics.first_token_time = now
-            parent.num_cached_tokens = out.num_cached_tokens
-            if parent.timeout is not None:
-                parent.timeout.cancel()
-                parent.timeout = None
-            self._on_started(parent)
-        elif metrics.last_token_time is not None and now > metrics.last_token_time:
-            metrics.inter_token_latencies.append(now - metrics.last_token_time)
-        metrics.last_token_time = now
+        metrics.scheduled_time = step_start
+        metrics.first_token_time = now
+        parent.num_cached_tokens = out.num_cached_tokens
+        if parent.timeout is not None:
+            parent.timeout.cancel()
+            parent.timeout = None
+        self._on_started(parent)
 
     def _due(self, state: RequestState) -> bool:
         """stream_interval: send the first token at once, then every N-th step."""
@@ -128,10 +135,10 @@ class OutputProcessor:
     ) -> None:
         delta = state.output_kind is OutputKind.DELTA
         text = state.detokenizer.next_output_text(finish_reason is not None, delta)
-        all_ids = state.detokenizer.output_token_ids
-        token_ids = all_ids[state.num_sent_tokens :] if delta else list(all_ids)
         if not text and finish_reason is None and not state.logprobs:
             return  # NOTE: nothing a reader could show; the ids go out with the next text.
+        all_ids = state.detokenizer.output_token_ids
+        token_ids = all_ids[state.num_sent_tokens :] if delta else list(all_ids)
         state.num_unsent_steps = 0
         state.num_sent_tokens = len(all_ids)
         logprobs = state.logprobs

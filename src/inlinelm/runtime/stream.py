@@ -59,7 +59,10 @@ class RequestStream:
             collector = self._collector or await self._submit()
             self._collector = collector
             while not self._done:
-                out = collector.get_nowait() or await collector.get()
+                out = collector.get_nowait()
+                while out is None:
+                    await collector.ready()
+                    out = collector.get_nowait()
                 if self._keep_whole:
                     self._accumulate(out)
                 self._done = out.finished

@@ -97,9 +97,12 @@ def plan(
 
 def collect(streams: list[FakeStream], stream_plan: StreamPlan) -> list[Any]:
     async def run() -> list[Any]:
-        frames = [f async for f in event_stream(streams, stream_plan)]
-        assert all(f.startswith(b"data: ") and f.endswith(b"\n\n") for f in frames)
-        payloads = [f[6:-2].decode() for f in frames]
+        writes = [w async for w in event_stream(streams, stream_plan)]
+        assert all(w.startswith(b"data: ") and w.endswith(b"\n\n") for w in writes)
+        # One write per engine step: several choices' frames may share it.
+        frames = [f for w in writes for f in w[:-2].split(b"\n\n")]
+        assert all(f.startswith(b"data: ") for f in frames)
+        payloads = [f[6:].decode() for f in frames]
         return [p if p == DONE else json.loads(p) for p in payloads]
 
     return asyncio.run(run())
@@ -256,3 +259,22 @@ def test_text_frame_fast_path_equals_the_generic_chunk(
         encode(header.chunk("chat.completion.chunk", [chat_format().delta(3, text, None, reason)]))
     )
     assert fast == generic
+
+
+def test_one_step_of_several_choices_is_one_write() -> None:
+    stream = FakeStream(
+        [
+            out(choice(0, "a", [1]), choice(1, "b", [2])),
+            out(choice(0, "c", [3], "stop"), choice(1, "d", [4], "stop")),
+        ]
+    )
+    stream_plan, _, _ = plan(chat_format(), n=2)
+
+    async def run() -> list[bytes]:
+        return [w async for w in event_stream([stream], stream_plan)]
+
+    writes = asyncio.run(run())
+    content = [w for w in writes if b'"content":"a"' in w or b'"content":"c"' in w]
+    assert [w.count(b"data: ") for w in content] == [2, 2]
+    assert content[0].index(b'"content":"a"') < content[0].index(b'"content":"b"')
+    assert stream_plan.tally.completion_tokens == 4

@@ -123,12 +123,37 @@ async def event_stream(streams: Sequence[OutputStream], plan: StreamPlan) -> Asy
     Choice ``j`` of prompt ``i`` has index ``i * plan.n + j``. Always aborts every stream
     before it ends, and calls ``plan.on_done`` exactly once.
     """
+    header, fmt, tally = plan.header, plan.format, plan.tally
     try:
+        # NOTE: the frames are made here, not in a nested generator: one async generator
+        # fewer between the collector and the socket, on every token.
         try:
-            async for data in _chunks(streams, plan):
-                yield data
+            for index in range(len(streams) * plan.n):
+                opening = fmt.opening(index)
+                if opening is not None:
+                    yield frame(encode(header.chunk(fmt.chunk_object, [opening])))
+            held: dict[int, list[TokenLogprobs]] = {}
+            if len(streams) == 1:
+                first = True
+                async for out in streams[0]:
+                    if first:
+                        first = False
+                        tally.prompt_tokens += len(out.prompt_token_ids)
+                    data, has_text = _step_frames(out, 0, plan, held)
+                    if data:
+                        yield data
+                        if has_text:
+                            tally.wrote_tokens(plan.metrics)
+            else:
+                async for data in _merged_chunks(streams, plan, held):
+                    yield data
+            if header.include_usage:
+                usage = header.usage_chunk(
+                    fmt.chunk_object, tally.prompt_tokens, tally.completion_tokens
+                )
+                yield frame(encode(usage))
         except Exception as exc:
-            yield frame(_error_frame(exc, plan.tally))
+            yield frame(_error_frame(exc, tally))
         yield frame(DONE)
     finally:
         # NOTE: shielded, because a cancelled task group re-raises on every await, and an
@@ -139,54 +164,36 @@ async def event_stream(streams: Sequence[OutputStream], plan: StreamPlan) -> Asy
         plan.on_done(plan.tally)
 
 
-async def _chunks(streams: Sequence[OutputStream], plan: StreamPlan) -> AsyncIterator[bytes]:
-    header, fmt, tally = plan.header, plan.format, plan.tally
-    for index in range(len(streams) * plan.n):
-        opening = fmt.opening(index)
-        if opening is not None:
-            yield frame(encode(header.chunk(fmt.chunk_object, [opening])))
-    held: dict[int, list[TokenLogprobs]] = {}
-    if len(streams) == 1:
-        # NOTE: the usual case reads its one stream directly: one async generator fewer
-        # between the collector and the socket, on every token.
-        first = True
-        async for out in streams[0]:
-            if first:
-                first = False
+async def _merged_chunks(
+    streams: Sequence[OutputStream], plan: StreamPlan, held: dict[int, list[TokenLogprobs]]
+) -> AsyncIterator[bytes]:
+    """The content frames of several streams (one per prompt) as each one produces."""
+    tally = plan.tally
+    counted: set[int] = set()
+    async with aclosing(merge_streams(streams)) as outputs:
+        async for prompt_index, out in outputs:
+            if prompt_index not in counted:
+                counted.add(prompt_index)
                 tally.prompt_tokens += len(out.prompt_token_ids)
-            for data, has_text in _step_frames(out, 0, plan, held):
+            data, has_text = _step_frames(out, prompt_index * plan.n, plan, held)
+            if data:
                 yield data
                 if has_text:
                     tally.wrote_tokens(plan.metrics)
-    else:
-        counted: set[int] = set()
-        async with aclosing(merge_streams(streams)) as outputs:
-            async for prompt_index, out in outputs:
-                if prompt_index not in counted:
-                    counted.add(prompt_index)
-                    tally.prompt_tokens += len(out.prompt_token_ids)
-                for data, has_text in _step_frames(out, prompt_index * plan.n, plan, held):
-                    yield data
-                    if has_text:
-                        tally.wrote_tokens(plan.metrics)
-    if header.include_usage:
-        yield frame(
-            encode(
-                header.usage_chunk(fmt.chunk_object, tally.prompt_tokens, tally.completion_tokens)
-            )
-        )
 
 
 def _step_frames(
     out: RequestOutput, base: int, plan: StreamPlan, held: dict[int, list[TokenLogprobs]]
-) -> list[tuple[bytes, bool]]:
-    """The frames of one engine step: ``(data, carries text)``; none for a silent step.
+) -> tuple[bytes, bool]:
+    """The frames of one engine step, as one write (``b""`` for a silent step), and whether
+    any of them carries text.
 
     ``held`` keeps the logprobs of tokens whose text was held back, per choice, so they
     travel with the text they belong to.
     """
     header, fmt, tally = plan.header, plan.format, plan.tally
-    frames: list[tuple[bytes, bool]] = []
+    data = b""
+    has_text = False
     for choice in out.outputs:
         index = base + choice.index
         tally.completion_tokens += len(choice.token_ids)
@@ -198,17 +205,18 @@ def _step_frames(
             tally.finish_reasons[index] = reason
         if choice.text:
             # NOTE: the last content chunk carries the real finish_reason itself.
+            has_text = True
             if plan.text_frame is not None and not logprobs:
-                frames.append((plan.text_frame.render(index, choice.text, reason), True))
+                data += plan.text_frame.render(index, choice.text, reason)
             else:
                 delta = fmt.delta(index, choice.text, logprobs, reason)
-                frames.append((frame(encode(header.chunk(fmt.chunk_object, [delta]))), True))
+                data += frame(encode(header.chunk(fmt.chunk_object, [delta])))
         elif reason is not None:
             closing = fmt.finish(index, reason, logprobs)
-            frames.append((frame(encode(header.chunk(fmt.chunk_object, [closing]))), False))
+            data += frame(encode(header.chunk(fmt.chunk_object, [closing])))
         elif logprobs:
             held[index] = logprobs
-    return frames
+    return data, has_text
 
 
 def _error_frame(exc: Exception, tally: StreamTally) -> str:

@@ -87,7 +87,7 @@ STAGE_HELP = {
     "release_text": "detokenizer.next_output_text (hold-back)",
     "output_and_put": "CompletionOutput + RequestOutput + collector.put",
     "process_other": "rest of process_outputs (state lookup, timing, finish)",
-    "stream_iter": "consumer: collector get, RequestStream + event_stream generators, tally",
+    "stream_iter": "consumer: RequestStream + event_stream generators, tally (output taken to next asked)",
     "chunk_build": "chat.completion.chunk dicts (_step_frames minus encode)",
     "json_encode": "api.sse.encode (json.dumps)",
     "sse_bytes": "sse-starlette ensure_bytes (data: ...\\n\\n)",
@@ -129,27 +129,29 @@ def instrumented(timers: Timers | None) -> Iterator[None]:
     if timers is None:
         yield
         return
-    saved_get = RequestOutputCollector.get
+    saved_get_nowait = RequestOutputCollector.get_nowait
     saved_step_frames, saved_encode = sse._step_frames, sse.encode
     clock = time.perf_counter
 
-    async def get(self: RequestOutputCollector) -> Any:
-        # The consumer is about to wait: what it did since its last output is its body.
+    def get_nowait(self: RequestOutputCollector) -> Any:
+        # The consumer asks for its next output: what it did since it took the last one
+        # is its body (the stream takes each output with get_nowait, after any wait).
         now = clock()
-        resumed = timers.consumer_resumed.get(id(self))
+        resumed = timers.consumer_resumed.pop(id(self), None)
         if resumed is not None:
             timers.add("consumer_body", now - resumed)
-        out = await saved_get(self)
-        timers.consumer_resumed[id(self)] = clock()
+        out = saved_get_nowait(self)
+        if out is not None:
+            timers.consumer_resumed[id(self)] = clock()
         return out
 
-    RequestOutputCollector.get = get  # type: ignore[method-assign]
+    RequestOutputCollector.get_nowait = get_nowait  # type: ignore[method-assign]
     sse._step_frames = _timed(timers, "step_frames", saved_step_frames)
     sse.encode = _timed(timers, "json_encode", saved_encode)
     try:
         yield
     finally:
-        RequestOutputCollector.get = saved_get  # type: ignore[method-assign]
+        RequestOutputCollector.get_nowait = saved_get_nowait  # type: ignore[method-assign]
         sse._step_frames, sse.encode = saved_step_frames, saved_encode
 
 

@@ -86,6 +86,8 @@ class _Plan:
     block_size: int
     decode: list[_DecodeGroup]
     chunks: list[_Chunk]
+    # One decode group holding every token of the step in order: its result is the output.
+    whole: bool = False
 
 
 class TorchAttention:
@@ -123,7 +125,8 @@ class TorchAttention:
                 single[k : k + DECODE_GROUP_SIZE] for k in range(0, len(single), DECODE_GROUP_SIZE)
             )
         ]
-        meta.plan = _Plan(block_size, decode, chunks)
+        whole = not chunks and len(decode) == 1 and single == list(range(len(single)))
+        meta.plan = _Plan(block_size, decode, chunks, whole)
 
     def _decode_group(
         self, meta: AttentionMetadata, rows: list[int], lens: list[int], block_size: int
@@ -170,24 +173,31 @@ class TorchAttention:
         kv_cache[0].index_copy_(0, meta.slot_mapping, k)
         kv_cache[1].index_copy_(0, meta.slot_mapping, v)
         blocks = kv_cache.view(2, -1, plan.block_size, self.num_kv_heads, self.head_dim)
+        if plan.whole:  # a decode-only step (the common case): no gather of q, no scatter
+            return self._attend_decode(q, blocks, plan.decode[0])
         out = torch.empty_like(q)
         for group in plan.decode:
-            if group.serial and (threads := torch.get_num_threads()) > 1:
-                torch.set_num_threads(1)
-                try:
-                    self._attend_decode(q, blocks, group, out)
-                finally:
-                    torch.set_num_threads(threads)
-            else:
-                self._attend_decode(q, blocks, group, out)
+            out[group.token_index] = self._attend_decode(q[group.token_index], blocks, group)
         for chunk in plan.chunks:
             self._attend_chunk(q, blocks, chunk, out)
         return out
 
     def _attend_decode(
-        self, q: torch.Tensor, blocks: torch.Tensor, group: _DecodeGroup, out: torch.Tensor
-    ) -> None:
-        count = group.token_index.shape[0]
+        self, queries: torch.Tensor, blocks: torch.Tensor, group: _DecodeGroup
+    ) -> torch.Tensor:
+        """Attention of one decode group; ``queries`` are its rows [Bd, H, D]."""
+        if group.serial and (threads := torch.get_num_threads()) > 1:
+            torch.set_num_threads(1)
+            try:
+                return self._decode_sdpa(queries, blocks, group)
+            finally:
+                torch.set_num_threads(threads)
+        return self._decode_sdpa(queries, blocks, group)
+
+    def _decode_sdpa(
+        self, queries: torch.Tensor, blocks: torch.Tensor, group: _DecodeGroup
+    ) -> torch.Tensor:
+        count = queries.shape[0]
         keys = (
             blocks[0][group.block_tables]
             .view(count, -1, self.num_kv_heads, self.head_dim)
@@ -198,11 +208,15 @@ class TorchAttention:
             .view(count, -1, self.num_kv_heads, self.head_dim)
             .transpose(1, 2)
         )
-        queries = q[group.token_index].unsqueeze(2)  # [Bd, H, 1, D]
         result = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=group.key_mask, scale=self.scale, enable_gqa=True
+            queries.unsqueeze(2),  # [Bd, H, 1, D]
+            keys,
+            values,
+            attn_mask=group.key_mask,
+            scale=self.scale,
+            enable_gqa=True,
         )
-        out[group.token_index] = result.squeeze(2)
+        return result.squeeze(2)
 
     def _attend_chunk(
         self, q: torch.Tensor, blocks: torch.Tensor, chunk: _Chunk, out: torch.Tensor

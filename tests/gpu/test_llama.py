@@ -62,7 +62,7 @@ def test_onednn_packed_linear_equals_the_plain_matmul(bias: bool, rows: int) -> 
     x = torch.randn(rows, 96)
     with torch.inference_mode():
         expected = layer(x)
-        layer.pack_for_onednn()
+        assert layer.pack_for_onednn()
         got = layer(x)
     assert layer.weight_t.numel() == 0  # the plain copy is dropped
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
@@ -87,3 +87,20 @@ def test_one_sequence_alone_decodes_like_transformers(
         got = PagedGreedyDriver(ours).generate([ids], max_new_tokens=32, chunk=64)
         assert got == [greedy_reference(model_dir)[i]]
     assert torch.get_num_threads() == threads
+
+
+def test_a_layer_whose_packing_fails_stays_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not onednn_packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    layer = Linear(16, 8)
+    torch.nn.init.normal_(layer.weight_t)
+    x = torch.randn(3, 16)
+    expected = layer(x).detach()
+
+    def broken(*args: Any) -> torch.Tensor:
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)
+    assert layer.pack_for_onednn() is False
+    assert layer._packed is None and layer.weight_t.shape == (16, 8)
+    torch.testing.assert_close(layer(x).detach(), expected)

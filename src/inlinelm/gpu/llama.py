@@ -37,11 +37,26 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._packed: torch.Tensor | None = None
 
-    def pack_for_onednn(self) -> None:
-        """Keep the weight only in oneDNN's CPU layout (after loading; not reversible)."""
+    def pack_for_onednn(self) -> bool:
+        """Keep the weight only in oneDNN's CPU layout (after loading; not reversible).
+
+        The packed layer is checked against the plain matmul on a small input first; on any
+        error or mismatch (these are torch-internal ops) the layer stays as it was and
+        False is returned.
+        """
         weight = self.weight_t.data.t().contiguous()
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
+        probe = torch.randn(2, weight.shape[1], dtype=weight.dtype)
+        with torch.no_grad():
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
+                got = torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none", [], "")
+            except (RuntimeError, TypeError, AttributeError):
+                return False
+            if not torch.allclose(got, self(probe), rtol=1e-4, atol=1e-4):
+                return False
+        self._packed = packed
         self.weight_t.data = torch.empty(0, dtype=weight.dtype)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:

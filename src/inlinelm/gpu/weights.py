@@ -59,11 +59,17 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight_t.data.copy_(model.embed_tokens.weight.data.t())
     if onednn_packing_available(device, dtype):
-        for module in model.modules():
-            if isinstance(module, Linear):
-                module.pack_for_onednn()
+        _pack_for_onednn(model)
     logger.info("loaded %s weights in %.2f s", folder.name, time.perf_counter() - start)
     return model.eval()
+
+
+def _pack_for_onednn(model: LlamaForCausalLM) -> None:
+    """Pack every linear layer for oneDNN; stop at the first that refuses (plain matmuls)."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and not module.pack_for_onednn():
+            logger.warning("oneDNN packing refused at %s: plain matmuls from there on", name)
+            return
 
 
 def _destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:

@@ -30,11 +30,15 @@ from inlinelm.runtime.core_handle import CoreHandle
 from inlinelm.runtime.loader import LoadedEngine, load_engine
 from inlinelm.runtime.metrics import EngineMetrics, PrometheusCollector, engine_stats
 from inlinelm.runtime.outputs import RequestOutput, aborted_output
-from inlinelm.runtime.request_state import ParentRequest, RequestState, make_states
+from inlinelm.runtime.request_state import (
+    ParentRequest,
+    RequestState,
+    engine_requests,
+    make_states,
+)
 from inlinelm.runtime.stream import RequestStream
 from inlinelm.runtime.sync import generate_all, run_sync
 from inlinelm.sampling_params import OutputKind, SamplingParams
-from inlinelm.sched.request import Request
 
 logger = logging.getLogger("inlinelm")
 
@@ -310,10 +314,7 @@ class Engine:
         loaded.admission.check_lengths(prompt_ids, params, source.param)
         admit_tokens(self.config, self._handle, len(prompt_ids))
         loop = asyncio.get_running_loop()
-        bridge = self._dispatcher.bridge_for(
-            loop,
-            lambda: LoopBridge(loop, self._handle.abort, self._handle.on_started, self.metrics),
-        )
+        bridge = self._loop_bridge(loop)
         parent, children = self._make_states(loaded, rid, prompt_ids, params, arrival)
         self._handle.enqueue(parent)
         bridge.processor.add(parent, children)
@@ -321,21 +322,10 @@ class Engine:
             self._drop(bridge, parent)
             self._check_usable()
         self._arm_queue_timeout(loop, bridge, parent)
-        requests = [
-            Request(
-                c.request_id,
-                prompt_ids,
-                params if params.n == 1 else _child_params(params, i),
-                loaded.eos_token_id,
-                arrival_time=arrival,
-            )
-            for i, c in enumerate(children)
-        ]
-        # NOTE: with n > 1 and prefix caching, the other choices wait until the first one has
-        # computed the prompt, so they read its KV blocks from the prefix cache.
-        share = params.n > 1 and self.config.enable_prefix_caching
-        parent.deferred = requests[1:] if share else []
-        for request in requests[: 1 if share else None]:
+        share = self.config.enable_prefix_caching
+        for request in engine_requests(
+            parent, children, loaded.eos_token_id, arrival, share_prefix=share
+        ):
             loaded.core.add_request(request)
         self._heartbeat.last = time.perf_counter()
         return parent.collector
@@ -431,8 +421,3 @@ class _Prompt:
 def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
     base = params if params is not None else SamplingParams()
     return base.with_overrides(**overrides) if overrides else base
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    seed = None if params.seed is None else params.seed + index
-    return params.with_overrides(n=1, seed=seed)

@@ -77,3 +77,35 @@ def make_states(
         for i, cid in enumerate(child_ids)
     ]
     return parent, children
+
+
+def engine_requests(
+    parent: ParentRequest,
+    children: list[RequestState],
+    eos_token_id: int | None,
+    arrival: float,
+    *,
+    share_prefix: bool,
+) -> list[Request]:
+    """The engine requests to send now, one per choice; with ``share_prefix`` (n > 1 and
+    prefix caching) only the first, the others waiting in ``parent.deferred`` until it has
+    computed the prompt, so they read its KV blocks from the prefix cache."""
+    params = parent.params
+    requests = [
+        Request(
+            child.request_id,
+            parent.prompt_token_ids,
+            params if params.n == 1 else _child_params(params, i),
+            eos_token_id,
+            arrival_time=arrival,
+        )
+        for i, child in enumerate(children)
+    ]
+    share = share_prefix and params.n > 1
+    parent.deferred = requests[1:] if share else []
+    return requests[:1] if share else requests
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    seed = None if params.seed is None else params.seed + index
+    return params.with_overrides(n=1, seed=seed)

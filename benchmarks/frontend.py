@@ -66,7 +66,7 @@ from inlinelm.api.responses import ResponseHeader, TokenTexts, new_id
 from inlinelm.runtime import engine as engine_module
 from inlinelm.runtime.collector import RequestOutputCollector
 from inlinelm.runtime.engine import Engine
-from inlinelm.runtime.stream import RequestStream
+from inlinelm.runtime.stream import RequestStream, Submission
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.output import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
@@ -213,11 +213,9 @@ async def run_once(
                 d = child.detokenizer
                 d.update = _timed(timers, "update", d.update)
                 d.next_output_text = _timed(timers, "release", d.next_output_text)
-        stream = RequestStream(
-            rid, _never_submit, functools.partial(engine._abort, rid), delta=True
-        )
-        stream._attach(parent.collector)
-        rids.append(rid)
+        stream = RequestStream(rid, _never_submit, delta=True)
+        stream._attach(Submission(parent, bridge))
+        rids.append(parent.child_ids[0])
         streams.append(stream)
         frames.append([])
     # The engine's batches, built before the clock starts (the engine builds them with the GIL

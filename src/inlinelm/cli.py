@@ -45,6 +45,7 @@ ENGINE_HELP: dict[str, str] = {
     "step_timeout_s": "report the engine stuck (/health 503) after a step this long",
     "max_logprobs": "most top logprobs a request may ask for",
     "max_n": "most choices (n) one request may ask for",
+    "max_inline_prompt_chars": "tokenize longer prompts on a worker thread, off the event loop",
 }
 
 

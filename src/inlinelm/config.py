@@ -51,6 +51,10 @@ class EngineConfig:
     step_timeout_s: float = 60.0
     max_logprobs: int = 20
     max_n: int = 16
+    # Prompts (or chat message texts) longer than this many characters are rendered and
+    # tokenized on a worker thread instead of the event loop (a thread hop costs more than
+    # it saves for short ones).
+    max_inline_prompt_chars: int = 16384
 
     def __post_init__(self) -> None:
         self._validate()
@@ -70,6 +74,7 @@ class EngineConfig:
             "block_size",
             "stream_interval",
             "max_n",
+            "max_inline_prompt_chars",
         )
         for name in positives:
             value = getattr(self, name)

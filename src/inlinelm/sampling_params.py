@@ -10,6 +10,9 @@ from typing import Any
 from inlinelm.errors import RequestError
 
 _MAX_LOGPROBS = 20
+# What ``torch.Generator.manual_seed`` takes: an int64 or a uint64.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
 
 
 class OutputKind(enum.Enum):
@@ -20,12 +23,16 @@ class OutputKind(enum.Enum):
     FINAL_ONLY = "final_only"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """What to generate and how to report it.
 
     Invalid values raise :class:`~inlinelm.errors.RequestError` (a ``ValueError``) at
     construction, naming the field. ``temperature == 0`` means greedy decoding.
+
+    Immutable: fields cannot be reassigned, and the list and dict fields are copies of what
+    the caller passed, so nothing the caller still holds reaches the engine thread (the
+    engine also takes its own :meth:`copy` at submit). Use :meth:`with_overrides` to derive.
     """
 
     n: int = 1
@@ -52,10 +59,17 @@ class SamplingParams:
     priority: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        # NOTE: frozen, so normalising goes through object.__setattr__; containers are copied.
+        stop = [self.stop] if isinstance(self.stop, str) else _copy_list(self.stop, "stop")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(
+            self, "stop_token_ids", _copy_list(self.stop_token_ids, "stop_token_ids")
+        )
+        if not isinstance(self.logit_bias, dict):
+            raise RequestError("invalid logit_bias: must be a dict", param="logit_bias")
+        object.__setattr__(self, "logit_bias", dict(self.logit_bias))
         if isinstance(self.output_kind, str):
-            self.output_kind = _parse_output_kind(self.output_kind)
+            object.__setattr__(self, "output_kind", _parse_output_kind(self.output_kind))
         self._validate()
 
     @property
@@ -70,6 +84,10 @@ class SamplingParams:
             name = sorted(unknown)[0]
             raise RequestError(f"unknown sampling parameter {name!r}", param=name)
         return replace(self, **overrides)
+
+    def copy(self) -> SamplingParams:
+        """An independent copy (its lists and dict are new objects)."""
+        return replace(self)
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "must be an int in [1, 128]")
@@ -113,7 +131,14 @@ class SamplingParams:
             "repetition_penalty",
             "must be in (0, 10]",
         )
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an int or None")
+        _check(
+            self.seed is None
+            or (
+                _is_int(self.seed) and self.seed >= MIN_SEED and self.seed + self.n - 1 <= MAX_SEED
+            ),
+            "seed",
+            f"must be an int in [{MIN_SEED}, {MAX_SEED}] (with n > 1, seed + n - 1 too) or None",
+        )
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
         )
@@ -143,6 +168,16 @@ class SamplingParams:
             "must be a positive int or None",
         )
         _check(isinstance(self.priority, int), "priority", "must be an int")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _copy_list(value: object, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise RequestError(f"invalid {name}: must be a list", param=name)
 
 
 def _finite(x: object) -> bool:

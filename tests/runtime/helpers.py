@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from inlinelm import Engine
+from inlinelm import Engine, RequestStream
 from inlinelm.sched.output import SchedulerOutput
 
 T = TypeVar("T")
@@ -71,6 +71,13 @@ def cycled_ids(ids: list[int], max_tokens: int) -> list[int]:
     """The echo runner's output with ``ignore_eos``: prompt, EOS, prompt, EOS … cut."""
     cycle = [*ids, EOS]
     return (cycle * (max_tokens // len(cycle) + 1))[:max_tokens]
+
+
+def engine_ids(stream: RequestStream) -> list[str]:
+    """The engine-side ids of a submitted stream's choices (unique per submission)."""
+    submission = stream._submission
+    assert submission is not None, "the stream was not submitted"
+    return list(submission.parent.child_ids)
 
 
 def num_live_states(engine: Engine) -> tuple[int, int]:

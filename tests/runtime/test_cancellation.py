@@ -18,6 +18,7 @@ from tests.runtime.helpers import (
     cycled_ids,
     echo_engine,
     echo_text,
+    engine_ids,
     num_live_states,
     prompt_ids,
     run,
@@ -162,9 +163,12 @@ def test_a_request_is_registered_before_its_add_leaves_for_the_engine() -> None:
 
             def check_registered(request: Request) -> None:
                 bridges = engine._dispatcher.bridges()
-                assert any(request.request_id in b.processor.states for b in bridges)
-                parent_id = request.request_id.split("#")[0]
-                assert any(parent_id in b.processor.parents for b in bridges)
+                states = [b.processor.states.get(request.request_id) for b in bridges]
+                state = next(s for s in states if s is not None)
+                assert any(
+                    b.processor.parents.get(state.parent.request_id) is state.parent
+                    for b in bridges
+                )
                 seen.append(request.request_id)
                 real_add(request)
 
@@ -172,8 +176,9 @@ def test_a_request_is_registered_before_its_add_leaves_for_the_engine() -> None:
             one = engine.stream("first request on a fresh loop", request_id="one")
             two = engine.stream("three choices", n=3, request_id="two")
             await asyncio.gather(one, two)
-            assert seen[0] == "one"
-            assert sorted(seen[1:]) == ["two#0", "two#1", "two#2"]
+            assert seen[0] == engine_ids(one)[0] and seen[0].endswith(":one")
+            assert sorted(seen[1:]) == engine_ids(two)
+            assert [i.split(":", 1)[1] for i in engine_ids(two)] == ["two#0", "two#1", "two#2"]
 
     run(main())
 
@@ -241,7 +246,7 @@ def test_aclose_is_idempotent_and_a_finished_stream_sends_no_abort() -> None:
             other = engine.stream("closed twice", params=SamplingParams(max_tokens=None))
             await other.aclose()
             await other.aclose()
-            assert aborted == [[other.request_id]]
+            assert aborted == [engine_ids(other)]
             await assert_drained(engine)
 
     run(main())

@@ -73,7 +73,7 @@ def test_stats_after_some_requests() -> None:
             assert stats["kv_blocks_used"] == 0
             assert stats["kv_blocks_total"] == engine.num_kv_blocks > 0
             assert 0.0 < stats["prefix_cache_hit_rate"] <= 1.0
-            assert stats["finished"] == {"stop": 8, "length": 2}
+            assert stats["finished"] == {"stop": 8, "length": 2, "abort": 1}
             assert stats["num_steps"] > 10
             assert stats["num_merged_outputs"] >= 0
             hist = stats["histograms"]

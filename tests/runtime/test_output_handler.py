@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections import defaultdict
 from typing import Any
 
 from inlinelm.runtime.bridge import SLICE_SIZE
 from tests.runtime.helpers import (
+    WAIT_S,
     RunnerGate,
     assert_drained,
     echo_engine,
@@ -64,10 +66,72 @@ def test_a_big_step_is_processed_in_slices_of_at_most_128_with_yields_between() 
             big_steps = [step for step in slices.values() if sum(n for n, _ in step) > SLICE_SIZE]
             assert big_steps, "no step had more than 128 outputs"
             for step in big_steps:
-                assert all(n == SLICE_SIZE for n, _ in step[:-1])
                 tick_marks = [t for _, t in step]
                 # Other tasks ran between two slices of the same step.
                 assert all(a < b for a, b in itertools.pairwise(tick_marks))
+            assert_at_most_a_slice_between_yields(slices)
+            await assert_drained(engine)
+
+    run(main())
+
+
+def assert_at_most_a_slice_between_yields(slices: dict[float, list[tuple[int, int]]]) -> None:
+    """Outputs processed with no yield between them (same tick) number at most 128."""
+    per_tick: dict[int, int] = defaultdict(int)
+    for step in slices.values():
+        for n, tick in step:
+            per_tick[tick] += n
+    assert max(per_tick.values()) <= SLICE_SIZE, per_tick
+
+
+def test_the_128_budget_counts_across_the_batches_a_lagging_loop_finds() -> None:
+    """A loop that lags finds several steps' batches at once; it still yields after every 128
+    outputs, counted across the batches, not per batch."""
+
+    async def main() -> None:
+        async with echo_engine(max_num_seqs=256) as engine:
+            await engine.stream("creates this loop's bridge")
+            bridge = engine._dispatcher.bridges()[0]
+            process = bridge.processor.process_outputs
+            ticks = 0
+            slices: dict[float, list[tuple[int, int]]] = defaultdict(list)
+
+            def recording(outputs: list[Any], step_start: float) -> list[str]:
+                slices[step_start].append((len(outputs), ticks))
+                result: list[str] = process(outputs, step_start)
+                return result
+
+            bridge.processor.process_outputs = recording  # type: ignore[method-assign]
+            queued = threading.Event()
+            real_post = bridge.post
+
+            def post(batch: Any) -> bool:
+                ok = real_post(batch)
+                if len(bridge._batches) >= 4:
+                    queued.set()
+                return ok
+
+            bridge.post = post  # type: ignore[method-assign]
+            done = False
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while not done:
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            ticking = asyncio.create_task(ticker())
+            prompts = [f"{i}" for i in range(100)]
+            streams = [engine.stream(p, ignore_eos=True, max_tokens=8) for p in prompts]
+            # NOTE: the loop is held on purpose until four steps (of 100 outputs) wait for it.
+            assert queued.wait(WAIT_S), "the engine never got four steps ahead of the loop"
+            outs = await asyncio.gather(*streams)
+            done = True
+            await ticking
+            assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+            assert max(len(step) for step in slices.values()) >= 1
+            assert sum(n for step in slices.values() for n, _ in step) >= 400
+            assert_at_most_a_slice_between_yields(slices)
             await assert_drained(engine)
 
     run(main())

@@ -111,7 +111,7 @@ class OpenAIEndpoints:
             self._check_model(parsed.model)
             await self._ready()
             rid = new_id("chatcmpl")
-            stream = self._start_chat(parsed.messages, parsed.params, rid, arrival)
+            stream = await self._start_chat(parsed.messages, parsed.params, rid, arrival)
         except Exception as exc:
             return _error_response(exc)
         header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
@@ -139,12 +139,14 @@ class OpenAIEndpoints:
             return self._stream_response(streams, header, fmt, n, arrival)
         return await self._whole_response(request, streams, header, fmt, n, arrival)
 
-    def _start_chat(
+    async def _start_chat(
         self, messages: list[dict[str, Any]], params: SamplingParams, rid: str, arrival: float
     ) -> OutputStream:
         """Hand a chat to the engine; a prompt error names ``messages`` (what the client sent)."""
         try:
-            return self.engine.chat(messages, params, request_id=rid, arrival_time=arrival)
+            stream = self.engine.chat(messages, params, request_id=rid, arrival_time=arrival)
+            await stream.submit()  # NOTE: a large chat is tokenized off the loop; errors raise here
+            return stream
         except RequestError as exc:
             if exc.param != "prompt" or isinstance(exc, QueueFullError):
                 raise
@@ -158,9 +160,11 @@ class OpenAIEndpoints:
         try:
             for i, prompt in enumerate(prompts):
                 request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
-                streams.append(
-                    self.engine.stream(prompt, params, request_id=request_id, arrival_time=arrival)
+                started = self.engine.stream(
+                    prompt, params, request_id=request_id, arrival_time=arrival
                 )
+                streams.append(started)
+                await started.submit()  # NOTE: a large prompt's errors raise here, before the 200
         except BaseException:
             for stream in streams:
                 await stream.aclose()

@@ -60,6 +60,9 @@ class OutputStream(Protocol):
     async def aclose(self) -> None:
         """Abort the request if it still runs (idempotent)."""
 
+    async def submit(self) -> None:
+        """Hand the request to the engine if not yet; raises what validation raises."""
+
 
 class HttpMetrics(Protocol):
     """The engine's sink for latencies measured at the HTTP layer."""

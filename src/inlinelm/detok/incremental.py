@@ -93,14 +93,21 @@ class IncrementalDetokenizer(ABC):
         """The stop string that ended the request, or None."""
         return self._stop_reason
 
-    def update(self, new_token_ids: Sequence[int]) -> str | None:
+    def update(self, new_token_ids: Sequence[int], *, stop_token: bool = False) -> str | None:
         """Decode the tokens of one engine step; return the stop string they completed, or None.
 
         The text is cut at the first stop string (earliest end). Once a stop string has
         matched the request is over: later calls decode nothing and return it again.
+        ``stop_token``: the last id is the EOS or stop token the engine stopped on; its text
+        is left out unless ``include_stop_str_in_output`` (the id stays in the output ids).
         """
         if self._stop_reason is not None or self._finished:
             return self._stop_reason
+        if stop_token and not self._include_stop and new_token_ids:
+            stop = self.update(new_token_ids[:-1])
+            if stop is None:
+                self._token_ids.append(new_token_ids[-1])
+            return stop
         searchable_from = len(self._unreleased)  # held-back text was searched already
         for token_id in new_token_ids:
             self._token_ids.append(token_id)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from inlinelm.errors import RequestError
 from inlinelm.sampling_params import SamplingParams
 
 
@@ -121,13 +120,10 @@ class SamplingMetadata:
         """Build the metadata for one step; all sequences are indexed by batch row.
 
         ``generators[i]`` is row ``i``'s own generator (on ``device``) when its request has a
-        seed, else ``None``; it is only drawn from while the row samples randomly. Token ids must
-        lie in ``[0, vocab_size)``; a ``logit_bias`` key outside it raises
-        :class:`~inlinelm.errors.RequestError` (admission should reject it first, see
-        :func:`check_token_ids`).
+        seed, else ``None``; it is only drawn from while the row samples randomly. Token ids
+        lie in ``[0, vocab_size)``: admission checked them (``Admission.check_token_ids``).
         """
         assert len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators)
-        check_token_ids(params, vocab_size)
         greedy = [p.greedy for p in params]
         builder = _Columns(params, greedy, device)
         num_logprobs = [p.logprobs for p in params]
@@ -151,18 +147,6 @@ class SamplingMetadata:
             num_logprobs=num_logprobs,
             max_num_logprobs=max(wanted) if wanted else None,
         )
-
-
-def check_token_ids(params: Sequence[SamplingParams], vocab_size: int) -> None:
-    """Raise :class:`~inlinelm.errors.RequestError` if a ``logit_bias`` key is not a token id."""
-    for p in params:
-        bad = [t for t in p.logit_bias if t >= vocab_size]
-        if bad:
-            raise RequestError(
-                f"invalid logit_bias: token id {bad[0]} is outside the vocabulary "
-                f"(size {vocab_size})",
-                param="logit_bias",
-            )
 
 
 class _Columns:

@@ -53,11 +53,11 @@ class Admission:
     ) -> list[int]:
         """Token ids of ``prompt``; raises ``RequestError`` for an empty or invalid prompt."""
         if isinstance(prompt, str):
-            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = encode(self.tokenizer, prompt, add_special_tokens, param)
         elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
-            ids = prompt
+            ids = list(prompt)  # NOTE: owned: the caller may reuse its list
             if any(t < 0 or t >= self.vocab_size for t in ids):
                 raise RequestError(
                     f"prompt token ids must be in [0, {self.vocab_size})", param=param
@@ -72,9 +72,7 @@ class Admission:
         self, prompt_ids: list[int], params: SamplingParams, param: str = "prompt"
     ) -> int:
         """The effective max_tokens; raises ``RequestError`` when prompt + output cannot fit."""
-        from inlinelm.gpu.sampling_metadata import check_token_ids
-
-        check_token_ids([params], self.vocab_size)
+        self.check_token_ids(params)
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise RequestError(
@@ -89,3 +87,28 @@ class Admission:
                 param="max_tokens",
             )
         return params.max_tokens if params.max_tokens is not None else room
+
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Every token id ``params`` carries (stop_token_ids, logit_bias keys) is in the
+        vocabulary; the engine thread indexes logits with them unchecked."""
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias.keys()),
+        ):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"invalid {name}: token id {bad[0]} is outside the vocabulary "
+                    f"(size {self.vocab_size})",
+                    param=name,
+                )
+
+
+def encode(tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """``tokenizer.encode(text)``; text that cannot be tokenized (a lone surrogate) is a
+    ``RequestError`` naming ``param``."""
+    try:
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except (TypeError, ValueError, UnicodeError) as e:
+        raise RequestError(f"cannot tokenize the {param}: {type(e).__name__}", param=param) from e
+    return ids

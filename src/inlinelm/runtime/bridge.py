@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 
-from inlinelm.errors import EngineDeadError
+from inlinelm.errors import EngineDeadError, RequestFailedError
+from inlinelm.runtime.core_handle import CoreHandle
 from inlinelm.runtime.metrics import EngineMetrics
 from inlinelm.runtime.output_processor import OutputProcessor
+from inlinelm.runtime.outputs import aborted_output
 from inlinelm.runtime.request_state import ParentRequest
 from inlinelm.sched.output import EngineCoreOutputs
 
@@ -33,18 +36,20 @@ class LoopBridge:
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        abort: Callable[[list[str]], None],
-        on_started: Callable[[ParentRequest], None],
+        handle: CoreHandle,
         metrics: EngineMetrics,
+        on_failure: Callable[[BaseException], BaseException],
     ) -> None:
         self.loop = loop
-        self.processor = OutputProcessor(on_started, metrics)
-        self._abort = abort
+        self.processor = OutputProcessor(handle.on_started, handle.forget, metrics)
+        self._core = handle
         self._metrics = metrics
+        self._on_failure = on_failure
         self._batches: collections.deque[EngineCoreOutputs] = collections.deque()
         self._wake_pending = False
         self._lock = threading.Lock()
         self._ready = asyncio.Event()
+        self._budget = SLICE_SIZE
         self.closed = False
         self.num_coalesced_steps = 0
         # NOTE: the handler task holds the bridge, never the Engine, so dropping the Engine frees it.
@@ -75,7 +80,14 @@ class LoopBridge:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
+                self._budget = SLICE_SIZE  # NOTE: the loop ran other tasks while we waited
                 await self._drain()
+        except Exception as exc:
+            # NOTE: a fault outside any one request's processing (those fail only their
+            # request): this loop's streams can no longer be trusted to progress, so the
+            # engine is marked failed (see Engine docs) and every stream gets the error.
+            logger.exception("the output handler failed")
+            self.fail_all(self._on_failure(exc))
         finally:
             self._close()
 
@@ -96,33 +108,60 @@ class LoopBridge:
         if batch.error is not None:
             dead = EngineDeadError(f"the engine thread died: {batch.error!r}")
             dead.__cause__ = batch.error
-            self.processor.fail_all(dead)
+            self.processor.fail_all(dead)  # NOTE: the engine thread is gone: nothing to abort
             return
         self._metrics.observe_step(
             batch.step_end - batch.step_start, time.perf_counter() - batch.step_end
         )
         outputs = batch.outputs
-        for start in range(0, len(outputs), SLICE_SIZE):
-            if start:
-                await asyncio.sleep(0)  # NOTE: invariant 3, yield to callers between slices.
+        start, end = 0, len(outputs)
+        while start < end:
+            if not self._budget:
+                # NOTE: invariant 3: at most SLICE_SIZE outputs between two yields, counted
+                # across every batch this wake-up found (a lagging loop coalesces several).
+                await asyncio.sleep(0)
+                self._budget = SLICE_SIZE
+            stop = min(end, start + self._budget)
             to_abort = self.processor.process_outputs(
-                outputs[start : start + SLICE_SIZE], batch.step_start
+                outputs if (start, stop) == (0, end) else outputs[start:stop], batch.step_start
             )
+            self._budget -= stop - start
+            start = stop
             if to_abort:
-                self._abort(to_abort)
+                self._core.abort(to_abort)
+
+    def abort(self, parent: ParentRequest) -> None:
+        """Abort ``parent`` (on this loop): forget it, free its queue slot and id, tell the
+        engine thread, and end its stream with ``abort`` so no reader waits forever."""
+        processor = self.processor
+        if processor.parents.get(parent.request_id) is not parent:
+            return  # finished, failed or aborted already
+        open_choices = processor.open_choices(parent)
+        self.drop(parent)
+        parent.collector.put(aborted_output(parent, open_choices))
+        # NOTE: counted by reason only: an aborted request's latencies would skew the histograms
+        self._metrics.observe_finished("abort", None, [], None, parent.collector.num_merges)
+
+    def drop(self, parent: ParentRequest) -> None:
+        """Forget ``parent`` and abort its unfinished choices on the engine thread."""
+        self._core.abort(self.processor.remove(parent))
+
+    def abort_soon(self, parent: ParentRequest) -> None:
+        """:meth:`abort` from any thread (or from a finalizer): scheduled on this loop."""
+        with contextlib.suppress(RuntimeError):  # NOTE: a closed loop aborted everything
+            self.loop.call_soon_threadsafe(self.abort, parent)
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every stream of this loop with ``error`` and abort their requests (this loop)."""
+        self._core.abort(self.processor.fail_all(error))
 
     def _close(self) -> None:
-        """The loop is going away: abort this loop's requests so the engine frees their blocks."""
+        """The handler stops (its loop is going away, or it failed): abort this loop's
+        requests so the engine frees their blocks, and end their streams."""
         with self._lock:
             self.closed = True
             self._batches.clear()
-        ids = [
-            cid
-            for parent in list(self.processor.parents.values())
-            for cid in self.processor.remove(parent)
-        ]
-        if ids:
-            self._abort(ids)
+        self.fail_all(RequestFailedError("the output handler of this event loop stopped"))
 
 
 class OutputDispatcher:

@@ -25,18 +25,17 @@ from inlinelm.errors import (
 )
 from inlinelm.runtime.admission import admit_count, admit_tokens, check_limits
 from inlinelm.runtime.bridge import Heartbeat, LoopBridge, OutputDispatcher, post_outputs
-from inlinelm.runtime.collector import RequestOutputCollector
 from inlinelm.runtime.core_handle import CoreHandle
 from inlinelm.runtime.loader import LoadedEngine, load_engine
 from inlinelm.runtime.metrics import EngineMetrics, PrometheusCollector, engine_stats
-from inlinelm.runtime.outputs import RequestOutput, aborted_output
+from inlinelm.runtime.outputs import RequestOutput
 from inlinelm.runtime.request_state import (
     ParentRequest,
     RequestState,
     engine_requests,
     make_states,
 )
-from inlinelm.runtime.stream import RequestStream
+from inlinelm.runtime.stream import RequestStream, Submission
 from inlinelm.runtime.sync import generate_all, run_sync
 from inlinelm.sampling_params import OutputKind, SamplingParams
 
@@ -65,6 +64,7 @@ class Engine:
         self._handle = CoreHandle()
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._heartbeat = Heartbeat(time.perf_counter())
+        self._tokenizer_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -122,6 +122,9 @@ class Engine:
                 loaded.core.shutdown()
                 loaded.core.join()
         self._fail_all_loops(EngineClosedError("the engine was closed"))
+        if self._tokenizer_pool is not None:
+            self._tokenizer_pool.shutdown(wait=True, cancel_futures=True)
+            self._tokenizer_pool = None
         # NOTE: drop every path to the core (and so to the runner's weights and KV cache).
         self._handle.core = None
         self._start_future = None
@@ -228,7 +231,8 @@ class Engine:
         happen here, so ``RequestError``/``QueueFullError``/``EngineError`` raise at once;
         before that they raise from the first ``async for``/``await``.
         """
-        source = _Prompt(lambda: prompt, add_special_tokens, "prompt")
+        size = len(prompt) if isinstance(prompt, str) else 0
+        source = _Prompt(lambda: prompt, add_special_tokens, "prompt", size)
         return self._open(source, _params(params, overrides), request_id, arrival_time)
 
     def chat(
@@ -241,7 +245,9 @@ class Engine:
         **overrides: Any,
     ) -> RequestStream:
         """Like :meth:`stream`, with the model's chat template applied to ``messages``."""
-        source = _Prompt(lambda: self.render_chat(messages), False, "messages")
+        source = _Prompt(
+            lambda: self.render_chat(messages), False, "messages", _chat_size(messages)
+        )
         return self._open(source, _params(params, overrides), request_id, arrival_time)
 
     def _open(
@@ -252,17 +258,21 @@ class Engine:
         arrival_time: float | None,
     ) -> RequestStream:
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:16]}"
+        if not isinstance(rid, str) or not rid:
+            raise RequestError("request_id must be a non-empty string", param="request_id")
         self._check_usable()
         check_limits(self.config, params)
+        params = params.copy()  # NOTE: owned from here: the caller may still mutate its own
         stream = RequestStream(
             rid,
             lambda: self._submit_lazily(source, params, rid, arrival),
-            lambda: self._abort(rid),
             delta=params.output_kind is OutputKind.DELTA,
         )
-        if self.is_ready:
-            stream._attach(self._submit(source, params, rid, arrival))
+        if self.is_ready and source.size <= self.config.max_inline_prompt_chars:
+            loaded = self._require_loaded()
+            prompt_ids = self._tokenize(loaded, source)
+            stream._attach(self._submit(loaded, prompt_ids, params, rid, arrival, source.param))
         return stream
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
@@ -294,32 +304,62 @@ class Engine:
         )
         return run_sync(generate_all(self, batch, params, use_tqdm))  # type: ignore[arg-type]  # a bare prompt was wrapped above
 
-    # -- submission (event loop) -----------------------------------------------------------
+    # -- submission (event loop)
+    # -----------------------------------------------------------
 
     async def _submit_lazily(
         self, source: _Prompt, params: SamplingParams, rid: str, arrival: float
-    ) -> RequestOutputCollector:
+    ) -> Submission:
         await self.start()
-        return self._submit(source, params, rid, arrival)
+        loaded = self._require_loaded()
+        if source.size <= self.config.max_inline_prompt_chars:
+            prompt_ids = self._tokenize(loaded, source)
+        else:
+            # NOTE: invariant 12: a large prompt or chat is rendered and tokenized on a worker
+            # thread (the tokenizer releases the GIL), so other streams keep flowing.
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool(), self._tokenize, loaded, source
+            )
+        return self._submit(loaded, prompt_ids, params, rid, arrival, source.param)
+
+    def _tokenize(self, loaded: LoadedEngine, source: _Prompt) -> list[int]:
+        admit_count(self.config, self._handle)  # NOTE: a full queue refuses before tokenizing
+        prompt = source.make()
+        return loaded.admission.tokenize(prompt, source.add_special_tokens, source.param)
+
+    def _tokenize_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            self._check_usable()
+            if self._tokenizer_pool is None:
+                self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=2, thread_name_prefix="inlinelm-tokenize"
+                )
+            return self._tokenizer_pool
 
     def _submit(
-        self, source: _Prompt, params: SamplingParams, rid: str, arrival: float
-    ) -> RequestOutputCollector:
-        loaded = self._require_loaded()
+        self,
+        loaded: LoadedEngine,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rid: str,
+        arrival: float,
+        param: str,
+    ) -> Submission:
+        """Admit a tokenized request and hand it to the engine thread (on the caller's loop)."""
         self._check_usable()
         admit_count(self.config, self._handle)
-        prompt_ids = loaded.admission.tokenize(
-            source.make(), source.add_special_tokens, source.param
-        )
-        loaded.admission.check_lengths(prompt_ids, params, source.param)
+        loaded.admission.check_lengths(prompt_ids, params, param)
         admit_tokens(self.config, self._handle, len(prompt_ids))
         loop = asyncio.get_running_loop()
         bridge = self._loop_bridge(loop)
         parent, children = self._make_states(loaded, rid, prompt_ids, params, arrival)
+        self._handle.claim(
+            parent
+        )  # NOTE: a duplicate id in flight raises before anything is queued
         self._handle.enqueue(parent)
         bridge.processor.add(parent, children)
         if self._dispatcher.fatal_error is not None or self._closed:
-            self._drop(bridge, parent)
+            bridge.drop(parent)
             self._check_usable()
         self._arm_queue_timeout(loop, bridge, parent)
         share = self.config.enable_prefix_caching
@@ -328,13 +368,13 @@ class Engine:
         ):
             loaded.core.add_request(request)
         self._heartbeat.last = time.perf_counter()
-        return parent.collector
+        return Submission(parent, bridge)
 
     def _loop_bridge(self, loop: asyncio.AbstractEventLoop) -> LoopBridge:
         """This loop's bridge (and output handler task), created on first use."""
+        on_failure = functools.partial(_fail_engine, self._dispatcher, self._handle)
         return self._dispatcher.bridge_for(
-            loop,
-            lambda: LoopBridge(loop, self._handle.abort, self._handle.on_started, self.metrics),
+            loop, lambda: LoopBridge(loop, self._handle, self.metrics, on_failure)
         )
 
     def _make_states(
@@ -347,6 +387,7 @@ class Engine:
     ) -> tuple[ParentRequest, list[RequestState]]:
         return make_states(
             rid,
+            self._handle.next_submission(),
             prompt_ids,
             params,
             arrival,
@@ -363,36 +404,18 @@ class Engine:
             parent.timeout = loop.call_later(wait, self._queue_timeout, bridge, parent)
 
     def _queue_timeout(self, bridge: LoopBridge, parent: ParentRequest) -> None:
-        if parent.queued and parent.request_id in bridge.processor.parents:
-            self._drop(bridge, parent)
+        if parent.queued and bridge.processor.parents.get(parent.request_id) is parent:
+            bridge.drop(parent)
             parent.collector.put(
                 QueueTimeoutError(
                     f"request {parent.request_id} waited over max_queue_wait_s={self.config.max_queue_wait_s} s"
                 )
             )
 
-    def _abort(self, rid: str) -> None:
-        """Abort a request from its own loop: forget its state, tell the engine thread."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        for bridge in self._dispatcher.bridges():
-            if bridge.loop is loop and rid in bridge.processor.parents:
-                parent = bridge.processor.parents[rid]
-                open_choices = bridge.processor.open_choices(parent)
-                self._drop(bridge, parent)
-                # NOTE: a reader in another task must see the end, not wait forever.
-                parent.collector.put(aborted_output(parent, open_choices))
-
-    def _drop(self, bridge: LoopBridge, parent: ParentRequest) -> None:
-        self._handle.unqueue(parent)
-        self._handle.abort(bridge.processor.remove(parent))
-
     def _fail_all_loops(self, error: BaseException) -> None:
+        _fail_loops(self._dispatcher, error)
         for bridge in self._dispatcher.bridges():
             with contextlib.suppress(RuntimeError):
-                bridge.loop.call_soon_threadsafe(bridge.processor.fail_all, error)
                 bridge.loop.call_soon_threadsafe(bridge.task.cancel)
 
     def _require_loaded(self) -> LoadedEngine:
@@ -404,7 +427,7 @@ class Engine:
     def _check_usable(self) -> None:
         error = self._dispatcher.fatal_error
         if error is not None:
-            raise EngineDeadError(f"the engine thread died: {error!r}") from error
+            raise EngineDeadError(f"the engine failed: {error!r}") from error
         if self._closed:
             raise EngineClosedError("the engine is closed")
 
@@ -416,8 +439,50 @@ class _Prompt:
     make: Callable[[], Prompt]
     add_special_tokens: bool
     param: str
+    # Characters of text to render and tokenize (0 for token ids): past
+    # ``max_inline_prompt_chars`` that work runs on a worker thread.
+    size: int
 
 
 def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
     base = params if params is not None else SamplingParams()
     return base.with_overrides(**overrides) if overrides else base
+
+
+def _chat_size(messages: Sequence[dict[str, Any]]) -> int:
+    """Characters of text in ``messages`` (string contents and text parts)."""
+    size = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            size += len(content)
+        elif isinstance(content, list):
+            size += sum(
+                len(p["text"])
+                for p in content
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+    return size
+
+
+def _fail_loops(dispatcher: OutputDispatcher, error: BaseException) -> None:
+    """End every stream on every loop with ``error``, each on its own loop."""
+    for bridge in dispatcher.bridges():
+        with contextlib.suppress(RuntimeError):
+            bridge.loop.call_soon_threadsafe(bridge.fail_all, error)
+
+
+def _fail_engine(
+    dispatcher: OutputDispatcher, handle: CoreHandle, cause: BaseException
+) -> EngineDeadError:
+    """An output handler failed: mark the engine failed, end every stream on every loop with
+    ``EngineDeadError``, and stop the engine thread (it frees every request's blocks)."""
+    error = EngineDeadError(f"the output handler failed: {type(cause).__name__}")
+    error.__cause__ = cause
+    if dispatcher.fatal_error is None:
+        dispatcher.fatal_error = cause
+    _fail_loops(dispatcher, error)
+    core = handle.core
+    if core is not None:
+        core.shutdown()
+    return error

@@ -6,24 +6,33 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
-from inlinelm.errors import SlowConsumerError
+from inlinelm.errors import RequestFailedError, SlowConsumerError
 from inlinelm.runtime.metrics import EngineMetrics
 from inlinelm.runtime.outputs import CompletionOutput, RequestOutput
 from inlinelm.runtime.request_state import ParentRequest, RequestState
 from inlinelm.sampling_params import OutputKind
 from inlinelm.sched.output import EngineCoreOutput, FinishReason
 
+logger = logging.getLogger(__name__)
+
 
 class OutputProcessor:
     """Holds the states of one event loop's live requests and processes their outputs."""
 
-    def __init__(self, on_started: Callable[[ParentRequest], None], metrics: EngineMetrics) -> None:
+    def __init__(
+        self,
+        on_started: Callable[[ParentRequest], None],
+        on_removed: Callable[[ParentRequest], None],
+        metrics: EngineMetrics,
+    ) -> None:
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
         self._on_started = on_started
+        self._on_removed = on_removed
         self._metrics = metrics
 
     def add(self, parent: ParentRequest, children: list[RequestState]) -> None:
@@ -34,7 +43,9 @@ class OutputProcessor:
 
     def remove(self, parent: ParentRequest) -> list[str]:
         """Forget a request; returns the engine-side ids of its unfinished choices."""
-        self.parents.pop(parent.request_id, None)
+        if self.parents.get(parent.request_id) is parent:
+            del self.parents[parent.request_id]
+            self._on_removed(parent)
         if parent.timeout is not None:
             parent.timeout.cancel()
         return [cid for cid in parent.child_ids if self.states.pop(cid, None) is not None]
@@ -52,8 +63,21 @@ class OutputProcessor:
             state = states.get(out.request_id)
             if state is None:
                 continue  # NOTE: aborted or another loop's request; dropped by design.
-            self._process_one(state, out, now, step_start, to_abort)
+            try:
+                self._process_one(state, out, now, step_start, to_abort)
+            except Exception as exc:  # NOTE: one request's fault (its detokenizer …) is its own
+                self._fail_request(state.parent, exc, to_abort)
         return to_abort
+
+    def _fail_request(self, parent: ParentRequest, exc: Exception, to_abort: list[str]) -> None:
+        logger.exception("request %s failed in the output handler", parent.request_id)
+        to_abort.extend(self.remove(parent))
+        error = RequestFailedError(
+            f"request {parent.request_id} failed in the output handler: {type(exc).__name__}"
+        )
+        error.__cause__ = exc
+        parent.collector.put(error)
+        self._metrics.observe_finished("error", None, [], None, parent.collector.num_merges)
 
     def _process_one(
         self,
@@ -78,7 +102,7 @@ class OutputProcessor:
             elif last is not None and now > last:
                 metrics.inter_token_latencies.append(now - last)
             metrics.last_token_time = now
-            stop = state.detokenizer.update(out.new_token_ids)
+            stop = state.detokenizer.update(out.new_token_ids, stop_token=finish_reason == "stop")
             if stop is not None and finish_reason is None:
                 finish_reason, stop_reason = "stop", stop
                 to_abort.append(state.request_id)
@@ -175,12 +199,15 @@ class OutputProcessor:
             )
         )
 
-    def fail_all(self, error: BaseException) -> None:
-        """Hand ``error`` to every live request and forget them all (the engine died or closed)."""
+    def fail_all(self, error: BaseException) -> list[str]:
+        """Hand ``error`` to every live request and forget them all; returns the engine-side
+        ids of their unfinished choices."""
+        ids = []
         for parent in list(self.parents.values()):
-            self.remove(parent)
+            ids.extend(self.remove(parent))
             parent.collector.put(error)
         self.states.clear()
+        return ids
 
 
 def _finish_of(out: EngineCoreOutput) -> tuple[str | None, int | str | None]:

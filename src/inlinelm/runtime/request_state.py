@@ -27,7 +27,7 @@ class ParentRequest:
     child_ids: list[str]
     num_finished: int = 0
     num_cached_tokens: int = 0
-    queued: bool = True
+    queued: bool = False  # counted in the queue (CoreHandle.enqueue) until its first token
     timeout: asyncio.TimerHandle | None = None
     # n > 1: engine requests of the other choices, sent once the first has its prompt cached.
     deferred: list[Request] = field(default_factory=list)
@@ -57,6 +57,7 @@ class RequestState:
 
 def make_states(
     request_id: str,
+    submission: int,
     prompt_ids: list[int],
     params: SamplingParams,
     arrival: float,
@@ -65,10 +66,16 @@ def make_states(
     max_backlog_bytes: int,
     stream_interval: int,
 ) -> tuple[ParentRequest, list[RequestState]]:
-    """The frontend state of a new request: its parent, and one state per choice (``id#i``)."""
+    """The frontend state of a new request: its parent, and one state per choice.
+
+    The choices' engine-side ids are ``"<submission>:<request_id>"`` (``…#i`` for n > 1):
+    unique per submission whatever the caller's id, so a late output or abort of an earlier
+    request with the same caller id can never reach this one.
+    """
     delta = params.output_kind is OutputKind.DELTA
     collector = RequestOutputCollector(delta=delta, max_backlog_bytes=max_backlog_bytes)
-    child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+    key = f"{submission}:{request_id}"
+    child_ids = [key] if params.n == 1 else [f"{key}#{i}" for i in range(params.n)]
     parent = ParentRequest(
         request_id, collector, prompt_ids, RequestMetrics(arrival), params, params.n, child_ids
     )

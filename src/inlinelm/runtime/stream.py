@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 
+from inlinelm.runtime.bridge import LoopBridge
 from inlinelm.runtime.collector import RequestOutputCollector
 from inlinelm.runtime.outputs import CompletionOutput, RequestOutput
+from inlinelm.runtime.request_state import ParentRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """A request handed to the engine: its state, and the bridge of the loop it lives on."""
+
+    parent: ParentRequest
+    bridge: LoopBridge
+
+    def abort(self) -> None:
+        """Abort the request from any thread: at once on its own loop, else scheduled there."""
+        bridge = self.bridge
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is bridge.loop:
+            bridge.abort(self.parent)
+        else:
+            bridge.abort_soon(self.parent)
 
 
 class RequestStream:
@@ -21,23 +46,38 @@ class RequestStream:
     def __init__(
         self,
         request_id: str,
-        submit: Callable[[], Awaitable[RequestOutputCollector]],
-        abort: Callable[[], None],
+        submit: Callable[[], Awaitable[Submission]],
         *,
         delta: bool,
     ) -> None:
         self.request_id = request_id
         self._submit = submit
-        self._abort = abort
         self._delta = delta
+        self._submission: Submission | None = None
         self._collector: RequestOutputCollector | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
         self._whole: RequestOutput | None = None
         self._done = False
         self._closed = False
         self._keep_whole = False  # only ``await stream`` needs the whole output
 
-    def _attach(self, collector: RequestOutputCollector) -> None:
-        self._collector = collector
+    def _attach(self, submission: Submission) -> None:
+        self._submission = submission
+        self._collector = submission.parent.collector
+        # NOTE: a stream dropped unread (garbage-collected) aborts its request; the
+        # finalizer holds the bridge and the request state, never the stream.
+        self._finalizer = weakref.finalize(self, submission.bridge.abort_soon, submission.parent)
+
+    async def submit(self) -> None:
+        """Hand the request to the engine now if that has not happened yet (idempotent).
+
+        ``Engine.stream`` submits at once when it can; a large prompt is tokenized off the
+        event loop first, and an engine that is not started starts first, so then the
+        request is submitted here (or by the first ``async for``/``await``), and bad input
+        raises ``RequestError`` here.
+        """
+        if self._submission is None and not self._closed:
+            self._attach(await self._submit())
 
     def __aiter__(self) -> AsyncGenerator[RequestOutput, None]:
         return self._iterate()
@@ -56,8 +96,10 @@ class RequestStream:
 
     async def _iterate(self) -> AsyncGenerator[RequestOutput, None]:
         try:
-            collector = self._collector or await self._submit()
-            self._collector = collector
+            await self.submit()
+            collector = self._collector
+            if collector is None:
+                return  # NOTE: closed before it was ever submitted
             while not self._done:
                 out = collector.get_nowait()
                 while out is None:
@@ -79,9 +121,11 @@ class RequestStream:
         return self._whole
 
     def _close(self) -> None:
-        if not self._done and not self._closed:
-            self._abort()
+        if not self._done and not self._closed and self._submission is not None:
+            self._submission.abort()
         self._closed = True
+        if self._finalizer is not None:
+            self._finalizer.detach()
 
     def _accumulate(self, out: RequestOutput) -> None:
         if self._whole is None:

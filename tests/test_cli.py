@@ -22,7 +22,14 @@ def test_every_engine_option_is_a_documented_flag() -> None:
         flag = "--" + f.name.replace("_", "-")
         assert flag in text, flag
         assert f.name in ENGINE_HELP, f"give --{flag} a help text in ENGINE_HELP"
-    for flag in ("--host", "--port", "--served-model-name", "--max-request-bytes", "--sse-ping-s"):
+    for flag in (
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--max-request-bytes",
+        "--sse-ping-s",
+        "--max-fanout",
+    ):
         assert flag in text
 
 

@@ -14,7 +14,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from inlinelm.api.protocol import DEFAULT_MAX_REQUEST_BYTES
+from inlinelm.api.protocol import DEFAULT_MAX_FANOUT, DEFAULT_MAX_REQUEST_BYTES
 from inlinelm.api.router import DEFAULT_SSE_PING_S
 from inlinelm.config import EngineConfig
 
@@ -100,6 +100,12 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         help="request bodies past this size get a 413 (default: %(default)s)",
     )
     group.add_argument(
+        "--max-fanout",
+        type=int,
+        default=DEFAULT_MAX_FANOUT,
+        help="most completions (prompts x n) one request may ask for; past it, a 400 (default: %(default)s)",
+    )
+    group.add_argument(
         "--sse-ping-s",
         type=float,
         default=DEFAULT_SSE_PING_S,
@@ -155,6 +161,7 @@ def serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name,
         max_request_bytes=args.max_request_bytes,
         sse_ping_s=args.sse_ping_s,
+        max_fanout=args.max_fanout,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -54,12 +54,16 @@ class APIError(Exception):
         Exception.__init__(self, self.message)
 
     def body(self) -> dict[str, Any]:
-        """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
+        """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``.
+
+        Message and param may quote what the client sent; a lone surrogate in them is
+        escaped (``\\ud800``) so the body can always be encoded.
+        """
         return {
             "error": {
-                "message": self.message,
+                "message": _encodable(self.message),
                 "type": self.type,
-                "param": self.param,
+                "param": None if self.param is None else _encodable(self.param),
                 "code": self.code,
             }
         }
@@ -115,6 +119,12 @@ def _request_failed(exc: RequestFailedError) -> APIError:
         )
     code = "slow_consumer" if isinstance(exc, SlowConsumerError) else "request_failed"
     return APIError(500, message, type="server_error", code=code)
+
+
+def _encodable(text: str) -> str:
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _retry_after(seconds: float) -> str:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
@@ -29,6 +29,7 @@ from inlinelm.api.disconnect import finals_unless_disconnected
 from inlinelm.api.errors import APIError, bad_request, from_exception
 from inlinelm.api.formats import ChatFormat, ChoiceFormat, CompletionFormat
 from inlinelm.api.protocol import (
+    DEFAULT_MAX_FANOUT,
     DEFAULT_MAX_REQUEST_BYTES,
     Limits,
     parse_chat,
@@ -64,15 +65,20 @@ def openai_router(
     model_name: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     sse_ping_s: float = DEFAULT_SSE_PING_S,
+    max_fanout: int = DEFAULT_MAX_FANOUT,
 ) -> Router:
     """The OpenAI-compatible API of ``engine`` as a router to mount under any prefix.
 
     ``model_name`` is the id clients must send as ``model`` (default: ``engine.model_name``);
     a request naming another model is a 400. Bodies over ``max_request_bytes`` are a 413.
+    A request that would become more than ``max_fanout`` engine requests (prompts × ``n``)
+    is a 400, refused before anything is submitted.
     Idle streams get an SSE comment every ``sse_ping_s`` seconds (0 turns pings off).
     The engine is started on the first request if its owner has not started it.
     """
-    api = OpenAIEndpoints(engine, model_name, max_request_bytes, sse_ping_s)
+    if max_fanout < 1:
+        raise ValueError(f"max_fanout must be at least 1, got {max_fanout}")
+    api = OpenAIEndpoints(engine, model_name, max_request_bytes, sse_ping_s, max_fanout)
     return Router(
         routes=[
             Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
@@ -90,12 +96,18 @@ class OpenAIEndpoints:
     """The handlers behind :func:`openai_router`, bound to one engine."""
 
     def __init__(
-        self, engine: Engine, model_name: str | None, max_request_bytes: int, sse_ping_s: float
+        self,
+        engine: Engine,
+        model_name: str | None,
+        max_request_bytes: int,
+        sse_ping_s: float,
+        max_fanout: int,
     ) -> None:
         self.engine = engine
         self.model_name = model_name or engine.model_name
         self.max_request_bytes = max_request_bytes
         self.sse_ping_s = sse_ping_s
+        self.max_fanout = max_fanout
         self.registry = CollectorRegistry(auto_describe=True)
         engine.register_metrics(self.registry)
         self._texts: TokenTexts | None = None
@@ -295,7 +307,9 @@ class OpenAIEndpoints:
 
     def _limits(self) -> Limits:
         config = self.engine.config
-        return Limits(max_n=config.max_n, max_logprobs=config.max_logprobs)
+        return Limits(
+            max_n=config.max_n, max_logprobs=config.max_logprobs, max_fanout=self.max_fanout
+        )
 
     def _check_model(self, model: str | None) -> None:
         # NOTE: a missing model is the served one (curl users omit it); a wrong one is an error.
@@ -316,6 +330,10 @@ class OpenAIEndpoints:
 
 
 def _error_response(exc: BaseException) -> Response:
+    if isinstance(exc, ClientDisconnect):
+        # NOTE: no one reads this answer; a client that leaves mid-body is not a server error.
+        logger.info("client disconnected while its request body was read")
+        return Response(status_code=499)
     error = from_exception(exc)
     if error.status >= 500 and not isinstance(exc, (APIError, EngineError, RequestFailedError)):
         logger.exception("request failed", exc_info=exc)

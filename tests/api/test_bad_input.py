@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -18,24 +17,6 @@ from tests.api.conftest import ECHO
 from tests.api.test_errors import check_error
 
 JSON = {"content-type": "application/json"}
-
-
-@pytest.fixture
-def submitted(echo_app: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the engine calls that submit requests (``stream``, ``chat``), as made."""
-    engine = echo_app.state.engine
-    calls: list[str] = []
-    for name in ("stream", "chat"):
-        monkeypatch.setattr(engine, name, _recording(getattr(engine, name), name, calls))
-    return calls
-
-
-def _recording(call: Callable[..., Any], name: str, calls: list[str]) -> Callable[..., Any]:
-    def record(*args: Any, **kwargs: Any) -> Any:
-        calls.append(name)
-        return call(*args, **kwargs)
-
-    return record
 
 
 def post_raw(base_url: str, path: str, body: str) -> httpx.Response:

@@ -20,6 +20,7 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     sse_ping_s: float = DEFAULT_SSE_PING_S,
     max_fanout: int = DEFAULT_MAX_FANOUT,
+    api_key: str | None = None,
 ) -> Starlette:
     """A Starlette app serving the OpenAI-compatible API at its root.
 
@@ -44,6 +45,7 @@ def create_app(
         max_request_bytes=max_request_bytes,
         sse_ping_s=sse_ping_s,
         max_fanout=max_fanout,
+        api_key=api_key,
     )
     app = Starlette(routes=list(router.routes), lifespan=lifespan)
     app.state.engine = engine

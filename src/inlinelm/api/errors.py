@@ -104,9 +104,12 @@ def from_exception(exc: BaseException) -> APIError:
 
 
 def _engine_unavailable(exc: EngineError) -> APIError:
-    code = "engine_dead" if isinstance(exc, EngineDeadError) else "engine_unavailable"
-    if isinstance(exc, EngineClosedError):
-        code = "engine_closed"
+    if isinstance(exc, EngineDeadError):
+        # NOTE: the cause's message may hold internals; clients get its class only.
+        cause = exc.__cause__
+        message = "the engine died" + (f": {type(cause).__name__}" if cause is not None else "")
+        return APIError(503, message, type="server_error", code="engine_dead")
+    code = "engine_closed" if isinstance(exc, EngineClosedError) else "engine_unavailable"
     return APIError(503, str(exc) or code, type="server_error", code=code)
 
 

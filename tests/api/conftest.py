@@ -7,7 +7,7 @@ EOS), so the wire format can be pinned exactly.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -89,3 +89,21 @@ def echo_server(echo_app: Any) -> Iterator[ServerThread]:
 @pytest.fixture(scope="session")
 def base_url(echo_server: ServerThread) -> str:
     return echo_server.url
+
+
+@pytest.fixture
+def submitted(echo_app: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the engine calls that submit requests (``stream``, ``chat``), as made."""
+    engine = echo_app.state.engine
+    calls: list[str] = []
+    for name in ("stream", "chat"):
+        monkeypatch.setattr(engine, name, _recording(getattr(engine, name), name, calls))
+    return calls
+
+
+def _recording(call: Callable[..., Any], name: str, calls: list[str]) -> Callable[..., Any]:
+    def record(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return call(*args, **kwargs)
+
+    return record

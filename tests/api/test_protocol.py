@@ -175,7 +175,9 @@ def test_the_four_prompt_forms(prompt: Any, expected: list[Any]) -> None:
     assert parse_completion({"prompt": prompt}, LIMITS).prompts == expected
 
 
-@pytest.mark.parametrize("prompt", [None, [], [[]], [1, "a"], [-1], [True], 3])
+@pytest.mark.parametrize(
+    "prompt", [None, [], [[]], [1, "a"], [-1], [True], 3, [2**63], [[1], [2**64]]]
+)
 def test_bad_prompts_are_refused(prompt: Any) -> None:
     assert refused(parse_completion, {"prompt": prompt}).param == "prompt"
 
@@ -211,3 +213,91 @@ def test_tokenize_and_detokenize_bodies() -> None:
     for bad in ({}, {"tokens": [-1]}, {"tokens": "x"}):
         with pytest.raises(APIError):
             parse_detokenize(bad)
+
+
+def test_the_fan_out_of_prompts_times_n_is_capped() -> None:
+    limits = Limits(max_n=4, max_logprobs=5, max_fanout=8)
+    assert len(parse_completion({"prompt": ["a"] * 4, "n": 2}, limits).prompts) == 4
+    with pytest.raises(APIError) as info:
+        parse_completion({"prompt": ["a"] * 3, "n": 3}, limits)
+    assert info.value.status == 400 and info.value.param == "prompt"
+    with pytest.raises(APIError) as info:
+        parse_completion({"prompt": [[1]] * 9}, limits)
+    assert info.value.param == "prompt"
+    with pytest.raises(APIError) as info:
+        parse_chat(chat(n=4), Limits(max_n=4, max_fanout=3))
+    assert info.value.param == "n"
+
+
+@pytest.mark.parametrize("token", ["²", "١٢", "1_0", " 1", "+1", "-1", "", "9" * 5000, "9" * 30])
+def test_logit_bias_keys_are_ascii_token_ids_in_range(token: str) -> None:
+    assert refused(parse_chat, chat(logit_bias={token: 1})).param == "logit_bias"
+
+
+def test_logit_bias_takes_plain_token_ids() -> None:
+    assert parse_chat(chat(logit_bias={"0": 1, "49151": -2.5}), LIMITS).params.logit_bias == {
+        0: 1.0,
+        49151: -2.5,
+    }
+
+
+LONE = "a\ud800b"
+
+
+@pytest.mark.parametrize(
+    ("parse", "body", "param"),
+    [
+        (parse_completion, {"prompt": LONE}, "prompt"),
+        (parse_completion, {"prompt": ["ok", LONE]}, "prompt"),
+        (parse_completion, {"prompt": "x", "stop": [LONE]}, "stop"),
+        (parse_completion, {"prompt": "x", "stop": LONE}, "stop"),
+        (parse_completion, {"prompt": "x", "user": LONE}, "user"),
+        (parse_chat, chat(messages=[{"role": "user", "content": LONE}]), "messages[0].content"),
+        (
+            parse_chat,
+            chat(messages=[{"role": "user", "content": [{"type": "text", "text": LONE}]}]),
+            "messages[0].content[0].text",
+        ),
+        (parse_chat, chat(messages=[{"role": "user", "content": "x", "name": LONE}]), None),
+    ],
+)
+def test_a_lone_surrogate_is_refused_naming_the_field(
+    parse: Any, body: dict[str, Any], param: str | None
+) -> None:
+    error = refused(parse, body)
+    assert error.param == (param or "messages[0].name")
+
+
+def test_a_lone_surrogate_in_tokenize_is_refused() -> None:
+    for body in ({"prompt": LONE}, {"messages": [{"role": "user", "content": LONE}]}):
+        with pytest.raises(APIError) as info:
+            parse_tokenize(body)
+        assert info.value.status == 400 and info.value.param in ("prompt", "messages[0].content")
+
+
+def test_surrogate_pairs_are_text() -> None:
+    assert parse_completion({"prompt": "\U0001f600"}, LIMITS).prompts == ["\U0001f600"]
+
+
+def test_an_error_naming_an_unencodable_field_still_renders() -> None:
+    error = refused(parse_completion, {"prompt": "x", LONE: 1})
+    assert b"\\ud800" in error.response().body
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_tokens": 10**30},
+        {"seed": 10**30},
+        {"seed": -(10**30)},
+        {"n": 10**30},
+        {"top_k": 10**30},
+        {"min_tokens": 10**30},
+        {"stop_token_ids": [10**30]},
+        {"temperature": 10**400},
+        {"logit_bias": {"1": 10**400}},
+        {"logprobs": 10**30},
+    ],
+)
+def test_huge_integers_are_400s(fields: dict[str, Any]) -> None:
+    refused(parse_completion, {"prompt": "x", **fields})

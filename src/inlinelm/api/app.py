@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 
-from inlinelm.api.protocol import DEFAULT_MAX_REQUEST_BYTES
+from inlinelm.api.protocol import DEFAULT_MAX_FANOUT, DEFAULT_MAX_REQUEST_BYTES
 from inlinelm.api.router import DEFAULT_SSE_PING_S, openai_router
 from inlinelm.config import EngineConfig
 from inlinelm.runtime.engine import Engine
@@ -19,6 +19,8 @@ def create_app(
     model_name: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     sse_ping_s: float = DEFAULT_SSE_PING_S,
+    max_fanout: int = DEFAULT_MAX_FANOUT,
+    api_key: str | None = None,
 ) -> Starlette:
     """A Starlette app serving the OpenAI-compatible API at its root.
 
@@ -38,7 +40,12 @@ def create_app(
             await engine.aclose()
 
     router = openai_router(
-        engine, model_name=model_name, max_request_bytes=max_request_bytes, sse_ping_s=sse_ping_s
+        engine,
+        model_name=model_name,
+        max_request_bytes=max_request_bytes,
+        sse_ping_s=sse_ping_s,
+        max_fanout=max_fanout,
+        api_key=api_key,
     )
     app = Starlette(routes=list(router.routes), lifespan=lifespan)
     app.state.engine = engine

@@ -54,12 +54,16 @@ class APIError(Exception):
         Exception.__init__(self, self.message)
 
     def body(self) -> dict[str, Any]:
-        """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
+        """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``.
+
+        Message and param may quote what the client sent; a lone surrogate in them is
+        escaped (``\\ud800``) so the body can always be encoded.
+        """
         return {
             "error": {
-                "message": self.message,
+                "message": _encodable(self.message),
                 "type": self.type,
-                "param": self.param,
+                "param": None if self.param is None else _encodable(self.param),
                 "code": self.code,
             }
         }
@@ -100,9 +104,12 @@ def from_exception(exc: BaseException) -> APIError:
 
 
 def _engine_unavailable(exc: EngineError) -> APIError:
-    code = "engine_dead" if isinstance(exc, EngineDeadError) else "engine_unavailable"
-    if isinstance(exc, EngineClosedError):
-        code = "engine_closed"
+    if isinstance(exc, EngineDeadError):
+        # NOTE: the cause's message may hold internals; clients get its class only.
+        cause = exc.__cause__
+        message = "the engine died" + (f": {type(cause).__name__}" if cause is not None else "")
+        return APIError(503, message, type="server_error", code="engine_dead")
+    code = "engine_closed" if isinstance(exc, EngineClosedError) else "engine_unavailable"
     return APIError(503, str(exc) or code, type="server_error", code=code)
 
 
@@ -115,6 +122,12 @@ def _request_failed(exc: RequestFailedError) -> APIError:
         )
     code = "slow_consumer" if isinstance(exc, SlowConsumerError) else "request_failed"
     return APIError(500, message, type="server_error", code=code)
+
+
+def _encodable(text: str) -> str:
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _retry_after(seconds: float) -> str:

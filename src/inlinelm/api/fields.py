@@ -3,11 +3,16 @@
 OpenAI clients send ``null`` for "not set", so a ``null`` value always reads as the
 default. Each read marks its field as known; :meth:`Fields.refuse_rest` then refuses
 whatever the endpoint does not implement, so no field is ever silently ignored.
+
+Values Python can hold but nothing downstream should see are refused here too: integers
+outside the signed 64-bit range, numbers too large for a float, and strings that are not
+text (JSON's ``\\ud800`` escape decodes to a lone surrogate, which has no UTF-8 form).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from inlinelm.api.errors import APIError, bad_request
@@ -32,6 +37,13 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "tools": ([],),
     "web_search_options": (),
 }
+
+
+# Every integer field is a signed 64-bit value downstream (seeds, token ids, counts).
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+# A logit_bias key: ASCII digits only (``int()`` would also take "²" or "١٢"), bounded in
+# length so ``int()`` never meets Python's digit limit.
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,19}")
 
 
 class Fields:
@@ -75,15 +87,18 @@ class Fields:
             return default
         if not _is_int(value):
             raise self.wrong_type(key, "an integer")
+        if not INT_MIN <= value <= INT_MAX:
+            raise _out_of_range(self.name(key))
         return int(value)
 
     def read_float(self, key: str, default: float) -> float:
         value = self.raw(key)
         if value is None:
             return default
-        if not _is_number(value) or not math.isfinite(value):
+        number = _as_float(value)
+        if number is None:
             raise self.wrong_type(key, "a finite number")
-        return float(value)
+        return number
 
     def read_str(self, key: str, default: str | None) -> str | None:
         value = self.raw(key)
@@ -91,7 +106,7 @@ class Fields:
             return default
         if not isinstance(value, str):
             raise self.wrong_type(key, "a string")
-        return value
+        return check_text(value, self.name(key))
 
     def read_int_list(self, key: str) -> list[int]:
         value = self.raw(key)
@@ -99,6 +114,8 @@ class Fields:
             return []
         if not isinstance(value, list) or not all(_is_int(v) for v in value):
             raise self.wrong_type(key, "a list of integers")
+        if not all(INT_MIN <= v <= INT_MAX for v in value):
+            raise _out_of_range(self.name(key))
         return [int(v) for v in value]
 
     def read_stop(self, key: str) -> list[str]:
@@ -107,13 +124,17 @@ class Fields:
         if value is None:
             return []
         if isinstance(value, str):
-            return [value]
+            value = [value]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise self.wrong_type(key, "a string or a list of strings")
-        return list(value)
+        return [check_text(v, self.name(key)) for v in value]
 
     def read_logit_bias(self, key: str) -> dict[int, float]:
-        """``{"token id": bias}``; JSON object keys are strings, so ids are parsed here."""
+        """``{"token id": bias}``; JSON object keys are strings, so ids are parsed here.
+
+        A key is ASCII digits (a leading ``-`` parses, then fails the range check); the
+        engine checks the ids against its vocabulary and the biases against their range.
+        """
         value = self.raw(key)
         if value is None:
             return {}
@@ -121,9 +142,14 @@ class Fields:
             raise self.wrong_type(key, "an object mapping token ids to numbers")
         bias: dict[int, float] = {}
         for token, amount in value.items():
-            if not str(token).isdigit() or not _is_number(amount):
-                raise self.wrong_type(key, "an object mapping token ids to numbers")
-            bias[int(token)] = float(amount)
+            number = _as_float(amount)
+            if _TOKEN_KEY.fullmatch(token) is None or number is None:
+                raise self.wrong_type(key, "an object mapping token ids to finite numbers")
+            if int(token) < 0:
+                raise bad_request(
+                    f"{self.name(key)} keys must be non-negative token ids", self.name(key)
+                )
+            bias[int(token)] = number
         return bias
 
     def read_object(self, key: str) -> Fields | None:
@@ -157,10 +183,35 @@ class Fields:
             )
 
 
+def check_text(value: str, name: str) -> str:
+    """``value``, or a 400 naming ``name`` when it holds a lone surrogate (no UTF-8 form)."""
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(
+            f"{name} is not valid text: it holds a lone UTF-16 surrogate, which has no UTF-8 form",
+            name,
+        ) from None
+    return value
+
+
+def _out_of_range(name: str) -> APIError:
+    return bad_request(f"{name} must be an integer in [-2**63, 2**63 - 1]", name)
+
+
+def _as_float(value: object) -> float | None:
+    """A finite JSON number as a float; None for anything else (an int past a float's range too)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _is_int(value: object) -> bool:
     # NOTE: JSON true/false parse to bool, a subclass of int; they are not numbers here.
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

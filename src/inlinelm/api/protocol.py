@@ -15,11 +15,12 @@ from typing import Any
 from starlette.requests import Request
 
 from inlinelm.api.errors import APIError, bad_request
-from inlinelm.api.fields import Fields
+from inlinelm.api.fields import INT_MAX, Fields, check_text
 from inlinelm.errors import RequestError
 from inlinelm.sampling_params import OutputKind, SamplingParams
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_FANOUT = 256
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Prompt: one string, or token ids. A completions request may carry several.
@@ -28,10 +29,14 @@ Prompt = str | list[int]
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Server-side limits a request is checked against before it reaches the engine."""
+    """Server-side limits a request is checked against before it reaches the engine.
+
+    ``max_fanout`` bounds the engine requests one HTTP request becomes: prompts × ``n``.
+    """
 
     max_n: int = 16
     max_logprobs: int = 20
+    max_fanout: int = DEFAULT_MAX_FANOUT
 
 
 @dataclass(slots=True)
@@ -65,11 +70,12 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     """The request body parsed as JSON; 413 past ``max_bytes``, 400 when it is not JSON.
 
     The declared ``Content-Length`` is checked first, then the bytes as they arrive, so
-    an oversized body is refused without being buffered whole.
+    an oversized body is refused without being buffered whole. JSON that Python cannot
+    hold is not JSON here either: nesting past the recursion limit, and integers past the
+    int-from-string digit limit, are 400s too. A client that leaves while its body is
+    read raises starlette's ``ClientDisconnect``.
     """
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
+    _check_declared_length(request.headers.get("content-length"), max_bytes)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
@@ -77,8 +83,20 @@ async def read_json(request: Request, max_bytes: int) -> Any:
             raise _too_large(max_bytes)
     try:
         return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise bad_request("request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:  # NOTE: JSONDecodeError, UnicodeDecodeError, int digit limit
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _check_declared_length(declared: str | None, max_bytes: int) -> None:
+    """A ``Content-Length`` that is not ASCII digits is a 400; one past ``max_bytes`` a 413."""
+    if declared is None:
+        return
+    if not (declared.isascii() and declared.isdigit()):
+        raise bad_request("Content-Length must be a non-negative integer", code="invalid_header")
+    if len(declared) > len(str(max_bytes)) or int(declared) > max_bytes:
+        raise _too_large(max_bytes)
 
 
 def parse_chat(data: Any, limits: Limits) -> ChatRequest:
@@ -92,6 +110,7 @@ def parse_chat(data: Any, limits: Limits) -> ChatRequest:
     max_tokens = _read_chat_max_tokens(fields)
     stream, include_usage = _read_stream(fields)
     options = _read_sampling(fields, limits, max_tokens=max_tokens, stream=stream)
+    _check_fanout(1, options["n"], limits)
     if logprobs:
         options["logprobs"] = _check_logprobs(top_logprobs or 0, "top_logprobs", limits)
     request = ChatRequest(
@@ -125,6 +144,7 @@ def parse_completion(data: Any, limits: Limits) -> CompletionRequest:
     options = _read_sampling(
         fields, limits, max_tokens=fields.read_int("max_tokens", 16), stream=stream
     )
+    _check_fanout(len(prompts), options["n"], limits)
     options["logprobs"] = logprobs
     request = CompletionRequest(
         model=fields.read_str("model", None),
@@ -232,6 +252,18 @@ def _read_chat_max_tokens(fields: Fields) -> int | None:
     return chosen
 
 
+def _check_fanout(num_prompts: int, n: int, limits: Limits) -> None:
+    """Refuse a request that would become more than ``max_fanout`` engine requests."""
+    if num_prompts * n <= limits.max_fanout:
+        return
+    param = "prompt" if num_prompts > 1 else "n"
+    raise bad_request(
+        f"this request asks for {num_prompts} prompt(s) × n={n} = {num_prompts * n} "
+        f"completions; this server allows at most {limits.max_fanout} per request",
+        param,
+    )
+
+
 def _check_logprobs(value: int, name: str, limits: Limits) -> int:
     if not 0 <= value <= limits.max_logprobs:
         raise bad_request(f"{name} must be between 0 and {limits.max_logprobs}, got {value}", name)
@@ -264,7 +296,7 @@ def _read_content(fields: Fields) -> str:
     """String content, or a list of ``{"type": "text", "text": ...}`` parts joined by newlines."""
     value = fields.raw("content")
     if value is None or isinstance(value, str):
-        return value or ""
+        return check_text(value or "", fields.name("content"))
     if not isinstance(value, list):
         raise fields.wrong_type("content", "a string or a list of text parts")
     texts = []
@@ -287,10 +319,10 @@ def _read_prompts(fields: Fields) -> list[Prompt]:
     """OpenAI's four prompt forms: a string, strings, token ids, lists of token ids."""
     value = fields.raw("prompt")
     if isinstance(value, str):
-        return [value]
+        return [check_text(value, "prompt")]
     if isinstance(value, list) and value:
         if all(isinstance(p, str) for p in value):
-            return list(value)
+            return [check_text(p, "prompt") for p in value]
         if all(_is_token_id(t) for t in value):
             return [list(value)]
         if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
@@ -303,7 +335,7 @@ def _read_prompts(fields: Fields) -> list[Prompt]:
 
 
 def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT_MAX
 
 
 def _too_large(max_bytes: int) -> APIError:

@@ -6,6 +6,13 @@ Endpoints (relative to wherever the router is mounted):
 - ``GET /v1/models``, ``GET /health`` (200, or 503 with the reason), ``GET /metrics``
 - ``POST /tokenize``, ``POST /detokenize``
 
+With ``api_key`` set, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``
+(a 401 otherwise). Every POST wants ``Content-Type: application/json``, with or without a
+key (a 415 otherwise, also when the type is missing): browsers send cross-site POSTs
+without asking only as text/plain, forms or untyped, so none of those reach the engine
+(see :mod:`inlinelm.api.access`). What the engine's death shows clients is the error's
+class, never its message.
+
 Everything that can be wrong with a request is found before the 200 is sent: the body is
 parsed and checked, and the engine validates, tokenizes and admits the request
 synchronously in ``Engine.stream``/``Engine.chat``. The router keeps no global state: each
@@ -21,14 +28,16 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
+from inlinelm.api.access import Access, Endpoint
 from inlinelm.api.disconnect import finals_unless_disconnected
 from inlinelm.api.errors import APIError, bad_request, from_exception
 from inlinelm.api.formats import ChatFormat, ChoiceFormat, CompletionFormat
 from inlinelm.api.protocol import (
+    DEFAULT_MAX_FANOUT,
     DEFAULT_MAX_REQUEST_BYTES,
     Limits,
     parse_chat,
@@ -64,24 +73,38 @@ def openai_router(
     model_name: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     sse_ping_s: float = DEFAULT_SSE_PING_S,
+    max_fanout: int = DEFAULT_MAX_FANOUT,
+    api_key: str | None = None,
 ) -> Router:
     """The OpenAI-compatible API of ``engine`` as a router to mount under any prefix.
 
     ``model_name`` is the id clients must send as ``model`` (default: ``engine.model_name``);
     a request naming another model is a 400. Bodies over ``max_request_bytes`` are a 413.
+    A request that would become more than ``max_fanout`` engine requests (prompts × ``n``)
+    is a 400, refused before anything is submitted. With ``api_key``, requests must carry
+    ``Authorization: Bearer <api_key>`` (``/health`` excepted); POST bodies must always be
+    declared ``application/json`` (see the module docstring).
     Idle streams get an SSE comment every ``sse_ping_s`` seconds (0 turns pings off).
     The engine is started on the first request if its owner has not started it.
     """
-    api = OpenAIEndpoints(engine, model_name, max_request_bytes, sse_ping_s)
+    if max_fanout < 1:
+        raise ValueError(f"max_fanout must be at least 1, got {max_fanout}")
+    api = OpenAIEndpoints(engine, model_name, max_request_bytes, sse_ping_s, max_fanout)
+    access = Access(api_key)
+
+    def route(path: str, endpoint: Endpoint, method: str) -> Route:
+        guarded = access.guard(endpoint, needs_key=path != "/health", json_body=method == "POST")
+        return Route(path, guarded, methods=[method])
+
     return Router(
         routes=[
-            Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
-            Route("/v1/completions", api.completions, methods=["POST"]),
-            Route("/v1/models", api.models, methods=["GET"]),
-            Route("/health", api.health, methods=["GET"]),
-            Route("/metrics", api.metrics, methods=["GET"]),
-            Route("/tokenize", api.tokenize, methods=["POST"]),
-            Route("/detokenize", api.detokenize, methods=["POST"]),
+            route("/v1/chat/completions", api.chat_completions, "POST"),
+            route("/v1/completions", api.completions, "POST"),
+            route("/v1/models", api.models, "GET"),
+            route("/health", api.health, "GET"),
+            route("/metrics", api.metrics, "GET"),
+            route("/tokenize", api.tokenize, "POST"),
+            route("/detokenize", api.detokenize, "POST"),
         ]
     )
 
@@ -90,12 +113,18 @@ class OpenAIEndpoints:
     """The handlers behind :func:`openai_router`, bound to one engine."""
 
     def __init__(
-        self, engine: Engine, model_name: str | None, max_request_bytes: int, sse_ping_s: float
+        self,
+        engine: Engine,
+        model_name: str | None,
+        max_request_bytes: int,
+        sse_ping_s: float,
+        max_fanout: int,
     ) -> None:
         self.engine = engine
         self.model_name = model_name or engine.model_name
         self.max_request_bytes = max_request_bytes
         self.sse_ping_s = sse_ping_s
+        self.max_fanout = max_fanout
         self.registry = CollectorRegistry(auto_describe=True)
         engine.register_metrics(self.registry)
         self._texts: TokenTexts | None = None
@@ -238,7 +267,7 @@ class OpenAIEndpoints:
 
     async def health(self, request: Request) -> Response:
         """``GET /health``: 200 when the engine serves; 503 with the reason when dead, stuck or closed."""
-        ok, reason = self.engine.health()
+        ok, reason = self._health()
         if ok:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
@@ -288,7 +317,7 @@ class OpenAIEndpoints:
         """Start the engine if its owner has not (a 503 when it is closed or dead or stuck)."""
         if not self.engine.is_ready:
             await self.engine.start()
-        ok, reason = self.engine.health()
+        ok, reason = self._health()
         if not ok:
             raise APIError(
                 503,
@@ -297,9 +326,22 @@ class OpenAIEndpoints:
                 code="engine_unhealthy",
             )
 
+    def _health(self) -> tuple[bool, str]:
+        """``Engine.health`` with a death shown as its error's class only (``dead: RuntimeError``).
+
+        The engine's reason quotes the error's message, which may hold internals (paths,
+        device details); clients get the class, the server log has the rest.
+        """
+        ok, reason = self.engine.health()
+        if reason.startswith("dead: "):
+            reason = "dead: " + reason.removeprefix("dead: ").split(":", 1)[0]
+        return ok, reason
+
     def _limits(self) -> Limits:
         config = self.engine.config
-        return Limits(max_n=config.max_n, max_logprobs=config.max_logprobs)
+        return Limits(
+            max_n=config.max_n, max_logprobs=config.max_logprobs, max_fanout=self.max_fanout
+        )
 
     def _check_model(self, model: str | None) -> None:
         # NOTE: a missing model is the served one (curl users omit it); a wrong one is an error.
@@ -320,6 +362,10 @@ class OpenAIEndpoints:
 
 
 def _error_response(exc: BaseException) -> Response:
+    if isinstance(exc, ClientDisconnect):
+        # NOTE: no one reads this answer; a client that leaves mid-body is not a server error.
+        logger.info("client disconnected while its request body was read")
+        return Response(status_code=499)
     error = from_exception(exc)
     if error.status >= 500 and not isinstance(exc, (APIError, EngineError, RequestFailedError)):
         logger.exception("request failed", exc_info=exc)

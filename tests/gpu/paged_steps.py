@@ -58,6 +58,7 @@ def make_step(
     requests: list[tuple[int, int]],
     seed: int,
     *,
+    data_seed: int | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device = CPU,
 ) -> Step:
@@ -65,7 +66,8 @@ def make_step(
 
     Block ids are a random permutation of the pool (so pages are scattered), and the
     table's padding past a request's pages holds random valid ids, like stale rows of the
-    persistent batch.
+    persistent batch. ``data_seed`` (default ``seed``) draws q/k/v and the cache alone, so
+    two layers of one step share the table and differ in their data.
     """
     rng = np.random.default_rng(seed)
     bs = shape.block_size
@@ -86,7 +88,7 @@ def make_step(
         np.repeat(cached, new) + np.arange(int(new.sum())) - np.repeat(query_start_loc[:-1], new)
     )
     slot_mapping = block_tables[row, positions // bs] * bs + positions % bs
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed if data_seed is None else data_seed)
 
     def randn(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=gen).to(device=device, dtype=dtype)

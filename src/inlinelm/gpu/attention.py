@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
@@ -19,7 +21,9 @@ class AttentionMetadata:
     """Per-step attention inputs, built once by the runner and passed to every layer.
 
     ``query_start_loc[i]:query_start_loc[i+1]`` are sequence ``i``'s tokens in the flat batch;
-    ``seq_lens[i]`` is its context length once this step's tokens are written.
+    ``seq_lens[i]`` is its context length once this step's tokens are written. The ``host_*``
+    fields, when the runner sets them, are the numpy arrays those tensors were copied from:
+    backends that plan on the host (FlashInfer) read them instead of copying back.
     """
 
     slot_mapping: torch.Tensor  # [T] int64, flat cache slot of each new token
@@ -30,6 +34,9 @@ class AttentionMetadata:
     max_seq_len: int
     # Derived once per step by the backend's prepare(), for its own use.
     plan: Any = None
+    host_query_start_loc: npt.NDArray[np.int64] | None = None
+    host_seq_lens: npt.NDArray[np.int64] | None = None
+    host_block_tables: npt.NDArray[np.int64] | None = None
 
 
 class AttentionBackend(Protocol):

@@ -1,0 +1,89 @@
+"""Which attention backend an engine runs: the ``attention_backend`` engine option.
+
+``"auto"`` picks FlashInfer on a CUDA device when ``import flashinfer`` works, the torch
+backend otherwise; ``"flashinfer"`` insists (and fails clearly where it cannot run);
+``"torch"`` always takes the torch backend. FlashInfer's kernels take 16-bit floats only,
+so a float32 model runs the torch backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Literal, get_args
+
+import torch
+
+from inlinelm.errors import RequestError
+from inlinelm.gpu.attention import AttentionBackend, TorchAttention
+
+AttentionBackendName = Literal["auto", "flashinfer", "torch"]
+AttentionBackendKind = Literal["flashinfer", "torch"]
+FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def select_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype
+) -> AttentionBackendKind:
+    """Resolve the engine option ``name`` for a ``dtype`` model on ``device``.
+
+    Raises :class:`~inlinelm.errors.RequestError` (``param="attention_backend"``) for an
+    unknown name, or for ``"flashinfer"`` off CUDA, with a float32 model, or without an
+    importable ``flashinfer``.
+    """
+    if name not in get_args(AttentionBackendName):
+        raise RequestError(
+            f"attention_backend must be one of {', '.join(get_args(AttentionBackendName))}, "
+            f"not {name!r}",
+            param="attention_backend",
+        )
+    if name == "torch":
+        return "torch"
+    if device.type != "cuda":
+        if name == "flashinfer":
+            raise RequestError(
+                f"attention_backend 'flashinfer' needs a CUDA device, not {device.type!r}",
+                param="attention_backend",
+            )
+        return "torch"
+    if dtype not in FLASHINFER_DTYPES:
+        if name == "flashinfer":
+            raise RequestError(
+                f"attention_backend 'flashinfer' needs dtype bfloat16 or float16, not {dtype}",
+                param="attention_backend",
+            )
+        return "torch"
+    error = _flashinfer_import_error()
+    if error is None:
+        return "flashinfer"
+    if name == "flashinfer":
+        raise RequestError(
+            f"attention_backend 'flashinfer' cannot import flashinfer ({error}); "
+            "install the 'gpu' extra (flashinfer-python) or use 'torch'",
+            param="attention_backend",
+        )
+    return "torch"
+
+
+def make_attention_backend(
+    name: str,
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> AttentionBackend:
+    """Build the backend :func:`select_attention_backend` picks for ``name`` on ``device``."""
+    if select_attention_backend(name, device, dtype) == "torch":
+        return TorchAttention(num_heads, num_kv_heads, head_dim)
+    from inlinelm.gpu.flashinfer_backend import FlashInferAttention
+
+    return FlashInferAttention(num_heads, num_kv_heads, head_dim, dtype, device)
+
+
+def _flashinfer_import_error() -> str | None:
+    """Why ``import flashinfer`` fails here, or None when it works (only asked on CUDA)."""
+    try:
+        importlib.import_module("flashinfer")
+    except Exception as exc:  # a broken install must fall back, not crash
+        return f"{type(exc).__name__}: {exc}"
+    return None

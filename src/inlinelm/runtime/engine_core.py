@@ -7,6 +7,7 @@ The thread never awaits; when there is nothing to do it blocks on its input queu
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -26,6 +27,8 @@ from inlinelm.sched.output import (
 )
 from inlinelm.sched.request import Request
 from inlinelm.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -277,12 +280,27 @@ class EngineCore:
 
     def _apply(self, record: EngineCoreInput) -> None:
         if isinstance(record, AddRequest):
-            self.scheduler.add_request(record.request)
+            self._add(record.request)
         elif isinstance(record, AbortRequests):
             aborted = self.scheduler.abort_requests(record.request_ids)
             self._pending.extend(_abort_output(request_id) for request_id in aborted)
         else:
             self._shutdown = True
+
+    def _add(self, request: Request) -> None:
+        """Queue ``request``; if that raises (submit let something through), fail only it.
+
+        NOTE: the last line of defence of invariant 11. A fault here is traced to one
+        request; one inside a batched step (schedule, execute, update) is not, and kills the
+        engine thread (invariant 8)."""
+        try:
+            self.scheduler.add_request(request)
+        except Exception:
+            logger.exception("request %s could not be added; failing it", request.request_id)
+            self.scheduler.finish_requests([request.request_id], FinishReason.ERROR)
+            self._pending.append(
+                EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR)
+            )
 
     def _take_pending(self) -> list[EngineCoreOutput]:
         pending, self._pending = self._pending, []

@@ -66,16 +66,19 @@ class OutputProcessor:
             try:
                 self._process_one(state, out, now, step_start, to_abort)
             except Exception as exc:  # NOTE: one request's fault (its detokenizer …) is its own
-                self._fail_request(state.parent, exc, to_abort)
+                logger.exception("request %s failed in the output handler", out.request_id)
+                error = RequestFailedError(
+                    f"request {state.parent.request_id} failed in the output handler: "
+                    f"{type(exc).__name__}"
+                )
+                error.__cause__ = exc
+                self._fail_request(state.parent, error, to_abort)
         return to_abort
 
-    def _fail_request(self, parent: ParentRequest, exc: Exception, to_abort: list[str]) -> None:
-        logger.exception("request %s failed in the output handler", parent.request_id)
+    def _fail_request(
+        self, parent: ParentRequest, error: RequestFailedError, to_abort: list[str]
+    ) -> None:
         to_abort.extend(self.remove(parent))
-        error = RequestFailedError(
-            f"request {parent.request_id} failed in the output handler: {type(exc).__name__}"
-        )
-        error.__cause__ = exc
         parent.collector.put(error)
         self._metrics.observe_finished("error", None, [], None, parent.collector.num_merges)
 
@@ -93,6 +96,10 @@ class OutputProcessor:
         finish_reason: str | None = None
         stop_reason: int | str | None = None
         if out.finish_reason is not None:
+            if out.finish_reason is FinishReason.ERROR:
+                error = RequestFailedError(f"request {parent.request_id} failed in the engine")
+                self._fail_request(parent, error, to_abort)
+                return
             finish_reason, stop_reason = _finish_of(out)
         if out.new_token_ids:
             metrics = parent.metrics

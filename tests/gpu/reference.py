@@ -45,8 +45,8 @@ def logits_atol(config: ModelConfig, expected: torch.Tensor) -> float:
     error on, so ``num_layers`` of them add up, and the logits scale the result by their own
     size: atol = eps * num_layers * sqrt(hidden_size) * max|logit|. SmolLM2-135M (30 layers,
     hidden 576, max|logit| ~30): ~2.6e-3, ~18x the worst difference seen (1.4e-4); a 1%
-    change to one weight matrix moves logits by 5e-2..1e-1 (test_llama pins that margin).
-    """
+    change to one weight matrix moves the logits of a prompt of a few tokens by 5e-2..1e-1
+    (test_llama pins that margin)."""
     eps = torch.finfo(torch.float32).eps
     return eps * config.num_layers * config.hidden_size**0.5 * expected.abs().max().item()
 

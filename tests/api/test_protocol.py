@@ -154,8 +154,11 @@ def test_chat_refusals_name_the_field(fields: dict[str, Any], param: str) -> Non
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted() -> None:
-    parse_chat(chat(tools=[], response_format={"type": "text"}, store=False), LIMITS)
-    parse_completion({"prompt": "x", "best_of": 1, "suffix": ""}, LIMITS)
+    """Accepted, and parsed exactly as if they were absent."""
+    neutral = chat(tools=[], response_format={"type": "text"}, store=False)
+    assert parse_chat(neutral, LIMITS) == parse_chat(chat(), LIMITS)
+    neutral = {"prompt": "x", "best_of": 1, "suffix": ""}
+    assert parse_completion(neutral, LIMITS) == parse_completion({"prompt": "x"}, LIMITS)
 
 
 def test_a_body_that_is_not_an_object_is_refused() -> None:

@@ -36,6 +36,27 @@ def load_ours(folder: Path) -> LlamaForCausalLM:
     )
 
 
+def logits_atol(config: ModelConfig, expected: torch.Tensor) -> float:
+    """How far our float32 logits may stray from transformers' on another CPU or kernel.
+
+    Each layer's matmuls sum ~``hidden_size`` products; another summation order (SIMD
+    width, oneDNN blocking) moves each sum by ~sqrt(hidden_size) roundings of relative size
+    eps (a random walk, not the n*eps worst case). The residual stream carries every layer's
+    error on, so ``num_layers`` of them add up, and the logits scale the result by their own
+    size: atol = eps * num_layers * sqrt(hidden_size) * max|logit|. SmolLM2-135M (30 layers,
+    hidden 576, max|logit| ~30): ~2.6e-3, ~18x the worst difference seen (1.4e-4); a 1%
+    change to one weight matrix moves the logits of a prompt of a few tokens by 5e-2..1e-1
+    (test_llama pins that margin)."""
+    eps = torch.finfo(torch.float32).eps
+    return eps * config.num_layers * config.hidden_size**0.5 * expected.abs().max().item()
+
+
+def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, config: ModelConfig) -> None:
+    """Every logit within :func:`logits_atol` of the reference (no rtol: the rounding error
+    of a logit scales with the hidden state, not with that logit)."""
+    torch.testing.assert_close(got, expected, rtol=0.0, atol=logits_atol(config, expected))
+
+
 def load_reference(folder: Path) -> Any:
     from transformers import AutoModelForCausalLM
 

@@ -16,7 +16,7 @@ from inlinelm.gpu import model_files
 from inlinelm.gpu.model_config import ModelConfig
 from inlinelm.gpu.model_files import resolve_model
 from tests.conftest import make_tiny_model
-from tests.gpu.reference import load_ours, load_reference, prefill_logits
+from tests.gpu.reference import assert_logits_close, load_ours, load_reference, prefill_logits
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "qwen2-bias-untied": {"model_type": "qwen2", "tie_word_embeddings": False},
@@ -44,9 +44,8 @@ def test_variants_match_transformers(
     ).input_ids
     with torch.inference_mode():
         expected = load_reference(folder)(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(
-        prefill_logits(load_ours(folder), ids), expected, rtol=1e-4, atol=1e-4
-    )
+    ours = load_ours(folder)
+    assert_logits_close(prefill_logits(ours, ids), expected, ours.config)
 
 
 def test_qwen2_reads_attention_bias(tmp_path: Path, default_model_dir: Path) -> None:

@@ -5,7 +5,6 @@ gets ``SlowConsumerError`` while the others finish."""
 from __future__ import annotations
 
 import asyncio
-import statistics
 import threading
 import time
 
@@ -30,9 +29,12 @@ from tests.runtime.helpers import (
 )
 
 NUM_WAITING = 200
+AT_ONCE_S = WAIT_S / 10
+"""Death is pushed to every stream, not noticed later: ~0.03 s for 200 streams on a loaded
+2-core machine, where a stream the death misses would wait out ``WAIT_S``."""
 
 
-def test_engine_death_reaches_all_200_waiting_streams_within_a_second() -> None:
+def test_engine_death_reaches_all_200_waiting_streams_at_once() -> None:
     async def main() -> None:
         # 200 streams, at most 64 running: the rest wait in the scheduler's queue.
         engine = echo_engine(echo_step_s=0.002, max_num_seqs=64)
@@ -61,7 +63,7 @@ def test_engine_death_reaches_all_200_waiting_streams_within_a_second() -> None:
         for error, at in results:
             assert isinstance(error, EngineDeadError)
             assert error.__cause__ is failure.error
-            assert at - failure.failed_at < 1.0
+            assert at - failure.failed_at < AT_ONCE_S
         assert not all(e.is_set() for e in started), "no stream was still waiting in the queue"
         assert num_live_states(engine) == (0, 0)
 
@@ -140,16 +142,19 @@ def test_death_while_a_stream_is_not_yet_iterated_raises_on_first_read() -> None
             failure = RunnerFailure(engine)
             stream = engine.stream("created, not read yet", ignore_eos=True, max_tokens=5000)
             failure.arm()
-            with pytest.raises(EngineDeadError):
+            with pytest.raises(EngineError) as info:
                 await asyncio.wait_for(stream, WAIT_S)
-            assert isinstance(EngineDeadError("x"), EngineError)
+            assert isinstance(info.value, EngineDeadError)
+            assert info.value.__cause__ is failure.error
+            assert num_live_states(engine) == (0, 0)
 
     run(main())
 
 
 def test_a_step_longer_than_step_timeout_marks_the_engine_stuck_until_it_returns() -> None:
     async def main() -> None:
-        async with echo_engine(echo_step_s=0.001, step_timeout_s=0.2) as engine:
+        # A 1 ms step is never 1 s late, even on a loaded machine: "ok" before the gate holds.
+        async with echo_engine(echo_step_s=0.001, step_timeout_s=1.0) as engine:
             stream = engine.stream("keeps the engine busy", ignore_eos=True, max_tokens=5000)
             reads = 0
             with RunnerGate(engine) as gate:
@@ -182,16 +187,15 @@ def test_a_first_step_after_idle_that_blocks_is_reported_stuck() -> None:
                 stream = engine.stream("this step never returns", max_tokens=None)
                 await wait_event(gate.entered)
                 try:
-                    await wait_until(lambda: not engine.healthy, timeout=3.0, what="stuck")
+                    await wait_until(lambda: not engine.healthy, what="stuck")
+                    assert engine.health()[1].startswith("stuck")
                 finally:
                     gate.open()
-            await stream
+            out = await asyncio.wait_for(stream, WAIT_S)
+            assert out.text == echo_text(engine, "this step never returns")
+            assert engine.health() == (True, "ok")
 
     run(main())
-
-
-def _itl_mean(outs: list[RequestOutput]) -> float:
-    return statistics.mean(outs[-1].metrics.inter_token_latencies)
 
 
 def test_a_slow_consumer_does_not_delay_the_others_and_its_merges_are_counted() -> None:
@@ -205,17 +209,7 @@ def test_a_slow_consumer_does_not_delay_the_others_and_its_merges_are_counted() 
         async with echo_engine(echo_step_s=0.004) as engine:
             expected = cycled_ids(prompt_ids(engine, prompt), num_tokens)
 
-            # Baseline: 10 readers, nobody slow.
-            start = time.perf_counter()
-            baseline = await asyncio.gather(
-                *(
-                    read_all(engine.stream(prompt, ignore_eos=True, max_tokens=num_tokens))
-                    for _ in range(10)
-                )
-            )
-            baseline_s = time.perf_counter() - start
-
-            # The same 10 readers next to one that reads one output, then stops reading.
+            # 10 readers next to one that reads one output, then stops reading.
             release = asyncio.Event()
             slow = engine.stream(prompt, ignore_eos=True, max_tokens=num_tokens)
             slow_outs: list[RequestOutput] = []
@@ -227,25 +221,25 @@ def test_a_slow_consumer_does_not_delay_the_others_and_its_merges_are_counted() 
                         await release.wait()
 
             slow_task = asyncio.create_task(read_slowly())
-            start = time.perf_counter()
-            fast = await asyncio.gather(
-                *(
-                    read_all(engine.stream(prompt, ignore_eos=True, max_tokens=num_tokens))
-                    for _ in range(10)
-                )
+            # NOTE: order, not wall-clock ratios (noise on a loaded machine): every other
+            # reader gets its whole answer, and the engine finishes the slow request, while
+            # the slow reader still holds its first output. An engine that waited on a
+            # reader would stall here until WAIT_S.
+            fast = await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        read_all(engine.stream(prompt, ignore_eos=True, max_tokens=num_tokens))
+                        for _ in range(10)
+                    )
+                ),
+                WAIT_S,
             )
-            fast_s = time.perf_counter() - start
-            # The engine finished the slow request too: it never waited for its reader.
             await wait_until(lambda: engine._loaded.core.stats.num_running == 0)  # type: ignore[union-attr]
             assert len(slow_outs) == 1
             assert not slow_task.done()
 
-            for outs in [*baseline, *fast]:
+            for outs in fast:
                 assert [t for o in outs for t in o.token_ids] == expected
-            assert fast_s < 2 * baseline_s + 0.5
-            base_itl = statistics.mean(_itl_mean(o) for o in baseline)
-            fast_itl = statistics.mean(_itl_mean(o) for o in fast)
-            assert fast_itl < 2 * base_itl + 0.01
 
             release.set()
             await asyncio.wait_for(slow_task, WAIT_S)
@@ -307,7 +301,7 @@ def test_a_reader_past_the_backlog_limit_gets_slow_consumer_error_and_others_fin
             await wait_until(
                 lambda: slow.request_id not in engine._dispatcher.bridges()[0].processor.parents
             )
-            await assert_drained(engine, timeout=5.0)
+            await assert_drained(engine)
             release.set()
             with pytest.raises(SlowConsumerError):
                 await asyncio.wait_for(slow_task, WAIT_S)

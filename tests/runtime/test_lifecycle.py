@@ -192,7 +192,7 @@ def test_an_engine_dropped_without_close_is_collected_and_its_thread_stops() -> 
         gc.collect()
         try:
             assert ref() is None, "the output handler keeps the Engine alive"
-            await wait_until(lambda: not core.is_alive, timeout=5.0, what="the engine thread")
+            await wait_until(lambda: not core.is_alive, what="the engine thread")
         finally:
             leaked = ref()
             if leaked is not None:

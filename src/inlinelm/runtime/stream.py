@@ -40,7 +40,9 @@ class RequestStream:
     ``async for out in stream`` yields ``RequestOutput`` deltas (per the request's
     output_kind); ``await stream`` returns the whole final ``RequestOutput``;
     ``await stream.aclose()`` aborts the request. Leaving an ``async for`` early, or a
-    cancelled task, aborts it too. Iterate or await a stream once.
+    cancelled task, aborts it too (after a ``break``, when Python closes the iterator, one
+    loop turn later; its request id is in flight until then). So does dropping a stream
+    unread, from any thread. Iterate or await a stream once.
     """
 
     def __init__(

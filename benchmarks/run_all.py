@@ -24,6 +24,7 @@ BENCHMARKS: list[tuple[str, str, list[str], int]] = [
     ("frontend", "frontend.py", [], 150),
     ("interference", "interference.py", [], 150),
     ("detok", "detok.py", [], 90),
+    ("prompt_stall", "prompt_stall.py", [], 120),
     ("e2e_cpu", "e2e_cpu.py", [], 480),
 ]
 
@@ -54,6 +55,13 @@ def summary(name: str, data: dict) -> str:
                 f"(target >= 3), their TTFT p50 / ours {v['b_ttft_p50_theirs_over_ours']:.2f} (target >= 5)"
             )
         return text
+    if name == "prompt_stall":
+        rows = data["rows"]
+        return (
+            f"1 MB prompt: others' largest gap {rows['completion']['on_loop_ms']:.0f} ms on the loop, "
+            f"{rows['completion']['off_loop_ms']:.0f} ms off it (floor {data['floor_ms']:.0f} ms; "
+            f"chat {rows['chat']['on_loop_ms']:.0f} → {rows['chat']['off_loop_ms']:.0f} ms)"
+        )
     return "see its table"
 
 

@@ -464,3 +464,32 @@ def test_extreme_seeds_and_stop_ids_with_the_model_runner(tiny_model_dir: Path) 
             await assert_drained(engine)
 
     run(main())
+
+
+def test_engine_tokenize_matches_what_stream_and_chat_send_and_goes_off_loop_when_large() -> None:
+    async def main() -> None:
+        async with echo_engine(max_inline_prompt_chars=100) as engine:
+            messages = [{"role": "user", "content": "hello there"}]
+            assert await engine.tokenize("hello there") == prompt_ids(engine, "hello there")
+            rendered = engine.render_chat(messages)
+            expected = engine.tokenizer.encode(rendered, add_special_tokens=False)
+            assert await engine.tokenize(messages=messages) == expected
+            big = "word " * 100
+            threads: list[str] = []
+            real_encode = engine.tokenizer.encode
+
+            def encode(text: str, **kwargs: Any) -> list[int]:
+                threads.append(threading.current_thread().name)
+                result: list[int] = real_encode(text, **kwargs)
+                return result
+
+            engine.tokenizer.encode = encode
+            try:
+                assert await engine.tokenize(big) == real_encode(big)
+            finally:
+                engine.tokenizer.encode = real_encode
+            assert threads[0].startswith("inlinelm-tokenize")
+            with pytest.raises(RequestError):
+                await engine.tokenize("\ud800" * 200)
+
+    run(main())

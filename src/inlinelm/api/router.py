@@ -281,9 +281,9 @@ class OpenAIEndpoints:
         try:
             prompt, messages, add_special = parse_tokenize(await self._read(request))
             await self._ready()
-            if messages is not None:
-                prompt = self.engine.render_chat(messages)
-            tokens = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special)
+            tokens = await self.engine.tokenize(
+                prompt, messages=messages, add_special_tokens=add_special
+            )
         except Exception as exc:
             return _error_response(exc)
         return JSONResponse(

@@ -324,8 +324,40 @@ class Engine:
 
     def _tokenize(self, loaded: LoadedEngine, source: _Prompt) -> list[int]:
         admit_count(self.config, self._handle)  # NOTE: a full queue refuses before tokenizing
+        return self._encode(loaded, source)
+
+    def _encode(self, loaded: LoadedEngine, source: _Prompt) -> list[int]:
         prompt = source.make()
         return loaded.admission.tokenize(prompt, source.add_special_tokens, source.param)
+
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[dict[str, Any]] | None = None,
+        add_special_tokens: bool | None = None,
+    ) -> list[int]:
+        """The token ids of ``prompt``, or of ``messages`` through the chat template (by
+        default as :meth:`stream` and :meth:`chat` would send them: special tokens added to
+        a prompt, not to a rendered chat). Large inputs are tokenized off the event loop;
+        untokenizable text raises ``RequestError``."""
+        await self.start()
+        loaded = self._require_loaded()
+        if messages is not None:
+            special = bool(add_special_tokens)
+            source = _Prompt(
+                lambda: self.render_chat(messages), special, "messages", _chat_size(messages)
+            )
+        elif isinstance(prompt, str):
+            special = add_special_tokens is None or add_special_tokens
+            source = _Prompt(lambda: prompt, special, "prompt", len(prompt))
+        else:
+            raise RequestError("give a prompt string or messages", param="prompt")
+        if source.size <= self.config.max_inline_prompt_chars:
+            return self._encode(loaded, source)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool(), self._encode, loaded, source
+        )
 
     def _tokenize_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:

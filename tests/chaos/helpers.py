@@ -43,6 +43,9 @@ EXCLUDE_ENV = "INLINELM_CHAOS_EXCLUDE"
 FAULT_S = 10.0
 """How long after a fault every stream must have ended with an error."""
 
+DRAIN_S = 10.0
+"""How long after its last stream ended the engine may take to hold nothing."""
+
 
 def chaos_seed() -> int:
     """The run's seed: ``$INLINELM_CHAOS_SEED``, or a fixed default."""
@@ -306,7 +309,7 @@ def drain_report(engine: Engine) -> str:
     )
 
 
-async def check_drained(engine: Engine, problems: Problems, timeout: float = WAIT_S) -> None:
+async def check_drained(engine: Engine, problems: Problems, timeout: float = DRAIN_S) -> None:
     """Wait (bounded) for the engine to hold nothing; record what it still holds if not."""
     deadline = time.perf_counter() + timeout
     while True:

@@ -87,14 +87,14 @@ class Problems:
         self.items.append(message)
 
     def assert_none(self, what: str, limit: int = 40) -> None:
-        """Fail listing the problems grouped by shape (scenario numbers and ids masked),
+        """Fail listing the problems grouped by shape (numbers and quoted texts masked),
         most frequent first, with one example each."""
         if not self.items:
             return
         groups: collections.Counter[str] = collections.Counter()
         example: dict[str, str] = {}
         for item in self.items:
-            shape = re.sub(r"\d+", "N", item)
+            shape = re.sub(r"\d+", "N", re.sub(r"'[^']*'", "'…'", item))
             groups[shape] += 1
             example.setdefault(shape, item)
         lines = [f"{count} × {example[shape]}" for shape, count in groups.most_common(limit)]

@@ -325,6 +325,23 @@ async def check_drained(engine: Engine, problems: Problems, timeout: float = DRA
         await asyncio.sleep(0.005)
 
 
+async def check_released(engine: Engine, problems: Problems, timeout: float = DRAIN_S) -> None:
+    """After a fatal fault: the engine thread has exited, and nothing is left of any request
+    (no state on any loop, no queued count, every KV block back in the pool)."""
+    assert engine._loaded is not None
+    core = engine._loaded.core
+    if not await asyncio.to_thread(core.join, timeout):
+        problems.add(f"the engine thread still runs {timeout} s after the fault")
+        return
+    left = (
+        num_live_states(engine),
+        engine.stats()["num_queued"],
+        core.scheduler.has_unfinished_requests(),
+        core.num_free_blocks == core.num_kv_blocks,
+    )
+    problems.check(left == ((0, 0), 0, False, True), f"left after the fault: {left}")
+
+
 SSE_WATCHER = "_shutdown_watcher"
 """sse-starlette's one task per event loop that watches for server shutdown (not per request)."""
 

@@ -39,9 +39,10 @@ total=0
 for f in "$DEST"/*.whl; do
     size=$(stat -c %s "$f")
     total=$((total + size))
-    printf '%8.2f MiB  %s\n' "$(echo "$size / 1048576" | bc -l)" "$(basename "$f")"
+    awk -v s="$size" -v n="$(basename "$f")" 'BEGIN { printf "%8.2f MiB  %s\n", s / 1048576, n }'
 done
-printf '%8.2f MiB  total in %s (limit %d MiB)\n' "$(echo "$total / 1048576" | bc -l)" "$DEST" "$LIMIT_MIB"
+awk -v s="$total" -v d="$DEST" -v l="$LIMIT_MIB" \
+    'BEGIN { printf "%8.2f MiB  total in %s (limit %d MiB)\n", s / 1048576, d, l }'
 if [ "$total" -gt $((LIMIT_MIB * 1048576)) ]; then
     echo "the wheels pass ${LIMIT_MIB} MiB: the device call cannot carry them" >&2
     exit 1

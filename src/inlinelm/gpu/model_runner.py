@@ -182,31 +182,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Run one short forward so the first real step does not pay for lazy initialisation."""
+        """Run a short prefill and one decode step, so the first real steps do not pay for
+        lazy initialisation (on CUDA: library handles, FlashInfer's kernel builds)."""
         self._prepare_thread()
-        n = min(16, self.config.block_size, self.max_model_len - 1)
-        self._dummy_forward(n, 1, self.kv_caches)
+        n = max(2, min(16, self.config.block_size, self.max_model_len - 1))
+        self._dummy_forward(n - 1, 1, self.kv_caches)
+        self._dummy_forward(n, 1, self.kv_caches, start=n - 1)
 
-    def _dummy_forward(self, n: int, num_logits: int, kv_caches: list[torch.Tensor]) -> None:
-        """One prefill of ``n`` zero tokens into the first blocks of ``kv_caches``; logits
-        for the last ``num_logits`` positions."""
-        blocks = -(-n // self.config.block_size)
+    def _dummy_forward(
+        self, n: int, num_logits: int, kv_caches: list[torch.Tensor], start: int = 0
+    ) -> None:
+        """Run positions ``start..n-1`` of one sequence of zero tokens whose cache is the
+        first blocks of ``kv_caches``; logits for the last ``num_logits`` positions."""
+        new = n - start
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=self.device),
-            query_start_loc=torch.tensor([0, n], device=self.device),
+            slot_mapping=torch.arange(start, n, device=self.device),
+            query_start_loc=torch.tensor([0, new], device=self.device),
             seq_lens=torch.tensor([n], device=self.device),
-            block_tables=torch.arange(blocks, device=self.device).unsqueeze(0),
-            max_query_len=n,
+            block_tables=torch.arange(-(-n // self.config.block_size), device=self.device)[None],
+            max_query_len=new,
             max_seq_len=n,
         )
         self.backend.prepare(meta, self.config.block_size)
-        positions = torch.arange(n, device=self.device)
         self.model(
-            torch.zeros(n, dtype=torch.int64, device=self.device),
-            positions,
+            torch.zeros(new, dtype=torch.int64, device=self.device),
+            torch.arange(start, n, device=self.device),
             kv_caches,
             meta,
-            positions[n - num_logits :],
+            torch.arange(new - num_logits, new, device=self.device),
         )
 
     def _sync_rows(self, batch: SchedulerOutput) -> tuple[IntArray, IntArray, IntArray]:

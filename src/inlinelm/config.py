@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from inlinelm.errors import RequestError
 
 RunnerKind = Literal["model", "echo"]
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+AttentionBackendName = Literal["auto", "flashinfer", "torch"]
+
+DEFAULT_CUDA_GRAPH_MEMORY_BYTES = 512 * 1024**2
+"""GPU memory the KV-cache sizing leaves for the CUDA-graph pool (static buffers, captured
+activations, per-size attention wrappers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +29,10 @@ class EngineConfig:
     tokenizer: str | None = None
     runner: RunnerKind = "model"
     device: str = "cpu"
-    dtype: str = "float32"
+    # "auto": bfloat16 on CUDA, float32 elsewhere (see model_dtype).
+    dtype: DTypeName = "auto"
+    # "auto": FlashInfer (attention, norms, RoPE, SiLU) on CUDA when it imports, else torch.
+    attention_backend: AttentionBackendName = "auto"
     # CPU intra-op threads; None uses every core (see docs/architecture.md).
     num_threads: int | None = None
     seed: int = 0
@@ -40,6 +49,8 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
+    # GPU memory kept out of the KV cache for the CUDA graphs (0 when none are captured).
+    cuda_graph_memory_bytes: int = DEFAULT_CUDA_GRAPH_MEMORY_BYTES
     # Echo runner
     echo_step_s: float = 0.0
     # Frontend
@@ -58,6 +69,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._validate()
+
+    @property
+    def model_dtype(self) -> str:
+        """The dtype the model runs in, with ``"auto"`` resolved for ``device``: bfloat16
+        on CUDA (half the bytes per weight read, the tensor cores' type), float32 elsewhere
+        (a CPU runs bfloat16 matmuls slower, and float32 keeps greedy output exact)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
 
     def with_options(self, **options: Any) -> EngineConfig:
         """A copy with some options replaced; unknown names raise ``RequestError``."""
@@ -86,15 +106,22 @@ class EngineConfig:
             raise RequestError(
                 f"runner must be 'model' or 'echo', got {self.runner!r}", param="runner"
             )
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise RequestError(
-                f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}", param="dtype"
-            )
+        for name, kinds in (("dtype", DTypeName), ("attention_backend", AttentionBackendName)):
+            value = getattr(self, name)
+            if value not in get_args(kinds):
+                raise RequestError(
+                    f"{name} must be one of {', '.join(get_args(kinds))}, got {value!r}",
+                    param=name,
+                )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise RequestError(
                 "gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization"
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise RequestError("num_threads must be >= 1", param="num_threads")
+        if not isinstance(self.cuda_graph_memory_bytes, int) or self.cuda_graph_memory_bytes < 0:
+            raise RequestError(
+                "cuda_graph_memory_bytes must be an int >= 0", param="cuda_graph_memory_bytes"
+            )
         if self.echo_step_s < 0:
             raise RequestError("echo_step_s must be >= 0", param="echo_step_s")

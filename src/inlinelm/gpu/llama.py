@@ -2,7 +2,9 @@
 
 One forward takes the flattened tokens of many sequences, their positions and the step's
 attention metadata; it writes K/V into the cache and returns logits only for the rows in
-``logits_indices``. Q/K/V and gate/up projections are fused into one matmul each.
+``logits_indices``. Q/K/V and gate/up projections are fused into one matmul each (the
+loader concatenates the checkpoint's tensors), and the norms, RoPE and SiLU-and-mul go
+through the :class:`~inlinelm.gpu.kernels.Kernels` chosen when the model is built.
 """
 
 from __future__ import annotations
@@ -10,10 +12,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inlinelm.gpu.attention import AttentionBackend, AttentionMetadata
+from inlinelm.gpu.kernels import Kernels, RopeInputs, TorchKernels
 from inlinelm.gpu.model_config import ModelConfig, RopeConfig
 
 
@@ -87,43 +89,37 @@ within 15% of the best hint from 1 to 512 rows)."""
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as the reference implementation does."""
+    """Root-mean-square norm; :meth:`add_and_norm` fuses the residual add before it."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, kernels: Kernels) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # One fused kernel instead of seven ops (a decode step is dispatch-bound here).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; may overwrite both inputs."""
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by position (default or llama3 frequencies)."""
+    """The cos/sin table of every position up to ``max_positions`` (default or llama3
+    frequencies), in float32, laid out as :class:`~inlinelm.gpu.kernels.RopeInputs` says."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv_freq = _inv_freq(rope, head_dim)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_table: torch.Tensor
-        self.sin_table: torch.Tensor
-        self.register_buffer("cos_table", emb.cos(), persistent=False)
-        self.register_buffer("sin_table", emb.sin(), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_table[positions].to(dtype)
-        sin = self.sin_table[positions].to(dtype)
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        self.cos_sin_cache: torch.Tensor
+        self.register_buffer(
+            "cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False
+        )
 
 
 def _inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -144,15 +140,10 @@ def _inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     """Self-attention with a fused QKV projection, RoPE and grouped KV heads."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, kernels: Kernels) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -164,21 +155,20 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.backend = backend
+        self.kernels = kernels
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeInputs,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # NOTE: queries and keys rotate together: one set of RoPE ops per layer, not two.
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        cos, sin = rope
-        qk = qk * cos + _rotate_half(qk) * sin
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        qk = self.kernels.apply_rope(qk, self.num_heads, rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta)
         result: torch.Tensor = self.o_proj(out.reshape(-1, self.q_size))
@@ -188,49 +178,69 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward with a fused gate/up projection."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        result: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        result: torch.Tensor = self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
         return result
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block followed by a pre-norm MLP block."""
+    """Pre-norm attention block followed by a pre-norm MLP block.
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    The residual stream travels beside the block output instead of being added at the end
+    of each block: the add is fused into the next norm (one kernel on CUDA).
+    """
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, kernels: Kernels) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.self_attn = Attention(cfg, backend, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.mlp = MLP(cfg, kernels)
 
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        residual: torch.Tensor | None,
+        rope: RopeInputs,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return result
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block output, residual)``; their sum is the layer's output. The first layer
+        gets ``residual=None`` and ``x`` = the embeddings."""
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """The whole decoder plus the LM head (tied to the embedding when the config says so)."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        kernels: Kernels | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
+        self.kernels = kernels or TorchKernels()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, self.kernels) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.kernels)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         # NOTE: with tied embeddings the loader copies the embedding into lm_head's
         # transposed layout (one extra copy of the matrix, read at the faster rate).
@@ -246,9 +256,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run all layers over the flat batch; return float32 logits [len(logits_indices), V]."""
         x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
+        rope = self.kernels.rope_inputs(self.rotary.cos_sin_cache, positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
-        x = self.norm(x[logits_indices])
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        assert residual is not None, "a model has at least one layer"
+        x, _ = self.norm.add_and_norm(x[logits_indices], residual[logits_indices])
         logits: torch.Tensor = self.lm_head(x)
         return logits.float()

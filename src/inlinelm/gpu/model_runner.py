@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +13,17 @@ import torch
 
 from inlinelm.config import EngineConfig
 from inlinelm.errors import RequestError
-from inlinelm.gpu.attention import AttentionMetadata, TorchAttention
+from inlinelm.gpu.attention import AttentionMetadata
+from inlinelm.gpu.attention_backends import make_attention_backend, select_attention_backend
 from inlinelm.gpu.input_batch import InputBatch, IntArray, StepInputs
+from inlinelm.gpu.kernels import make_kernels
+from inlinelm.gpu.kv_cache import (
+    GpuMemoryUse,
+    allocate_kv_cache,
+    free_device_memory,
+    kv_cache_spec,
+    peak_memory_of,
+)
 from inlinelm.gpu.model_config import ModelConfig
 from inlinelm.gpu.sampler import Sampler, to_token_logprobs
 from inlinelm.gpu.sampling_metadata import SamplingMetadata
@@ -25,16 +34,6 @@ from inlinelm.sched.request import Request
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_KV_CACHE_BYTES_CAP = 2 * 1024**3
-
-
-@dataclass(frozen=True, slots=True)
-class KVCacheSpec:
-    """How many blocks the cache holds and what one block costs."""
-
-    num_blocks: int
-    block_size: int
-    bytes_per_block: int
 
 
 def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
@@ -52,42 +51,28 @@ def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     return config.max_model_len
 
 
-def kv_cache_spec(
-    config: EngineConfig, cfg: ModelConfig, max_model_len: int, dtype: torch.dtype
-) -> KVCacheSpec:
-    """Size the cache: explicit blocks, else a byte budget (CPU) or a memory fraction (CUDA)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    bytes_per_block = (
-        config.block_size * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-    )
-    if config.num_kv_blocks is not None:
-        return KVCacheSpec(config.num_kv_blocks, config.block_size, bytes_per_block)
-    budget = config.kv_cache_bytes
-    if budget is None and config.device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
-        budget = int(free * config.gpu_memory_utilization)
-    if budget is None:
-        full_context = (
-            -(-max_model_len // config.block_size) * config.max_num_seqs * bytes_per_block
-        )
-        budget = min(full_context, DEFAULT_KV_CACHE_BYTES_CAP)
-    num_blocks = budget // bytes_per_block
-    if num_blocks < -(-max_model_len // config.block_size):
-        logger.warning("KV cache of %d blocks holds less than one full-length sequence", num_blocks)
-    return KVCacheSpec(max(int(num_blocks), 2), config.block_size, bytes_per_block)
-
-
 class ModelRunner:
     """Loads the model, owns the paged KV cache and the persistent batch, runs steps."""
 
     def __init__(self, config: EngineConfig, folder: Path) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = _DTYPES[config.model_dtype]
         self.model_config = ModelConfig.from_folder(folder)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
-        self.backend = TorchAttention(
-            self.model_config.num_heads, self.model_config.num_kv_heads, self.model_config.head_dim
+        free_at_start = free_device_memory(self.device) if self.device.type == "cuda" else None
+        # NOTE: one choice for attention and the model's other kernels: FlashInfer for all,
+        # or torch for all (the torch path is the reference the device tests compare to).
+        self.kernels_kind = select_attention_backend(
+            config.attention_backend, self.device, self.dtype
+        )
+        self.backend = make_attention_backend(
+            self.kernels_kind,
+            self.device,
+            self.model_config.num_heads,
+            self.model_config.num_kv_heads,
+            self.model_config.head_dim,
+            self.dtype,
         )
         self.model = load_model(
             folder,
@@ -96,8 +81,15 @@ class ModelRunner:
             device=self.device,
             backend=self.backend,
             max_positions=self.max_model_len,
+            kernels=make_kernels(self.kernels_kind),
         )
-        self.kv_spec = kv_cache_spec(config, self.model_config, self.max_model_len, self.dtype)
+        self.kv_spec = kv_cache_spec(
+            config,
+            self.model_config,
+            self.max_model_len,
+            self.dtype,
+            self._profile_gpu_memory(free_at_start),
+        )
         self.num_kv_blocks = self.kv_spec.num_blocks
         self.kv_caches = self._allocate_kv_cache()
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
@@ -107,28 +99,51 @@ class ModelRunner:
         self.num_threads = config.num_threads or _num_cores()
         self._current_threads = 0
         self._prepared_thread: int | None = None
+        self._closed = False
+
+    def _profile_gpu_memory(self, free_at_start: int | None) -> GpuMemoryUse | None:
+        """On CUDA without an explicit cache size: measure what the weights hold and the
+        activation peak of a forward over ``max_num_batched_tokens`` tokens (one sequence,
+        logits for up to ``max_num_seqs`` rows)."""
+        config = self.config
+        if free_at_start is None or config.num_kv_blocks is not None:
+            return None
+        if config.kv_cache_bytes is not None:
+            return None
+        n = min(config.max_num_batched_tokens, self.max_model_len)
+        peak = self._activation_peak(n, min(config.max_num_seqs, n))
+        torch.cuda.empty_cache()
+        used = free_at_start - free_device_memory(self.device)
+        logger.info(
+            "GPU memory: %.0f MiB free at start, %.0f MiB weights and workspaces, "
+            "%.0f MiB peak activations at %d tokens",
+            free_at_start / 2**20,
+            used / 2**20,
+            peak / 2**20,
+            n,
+        )
+        return GpuMemoryUse(free_at_start, used, peak)
+
+    @torch.inference_mode()
+    def _activation_peak(self, n: int, num_logits: int) -> int:
+        """Peak bytes of a forward over ``n`` tokens, on a scratch cache just big enough."""
+        block_size = self.config.block_size
+        scratch = allocate_kv_cache(
+            -(-n // block_size), block_size, self.model_config, self.dtype, self.device
+        )
+        return peak_memory_of(self.device, lambda: self._dummy_forward(n, num_logits, scratch))
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
-        cfg, spec = self.model_config, self.kv_spec
-        slots = spec.num_blocks * spec.block_size
+        spec = self.kv_spec
         logger.info(
             "KV cache: %d blocks of %d tokens, %.1f MiB",
             spec.num_blocks,
             spec.block_size,
             spec.num_blocks * spec.bytes_per_block / 2**20,
         )
-        # NOTE: zeros, not empty: padded gather positions read real slots, and NaN garbage
-        # would poison the masked softmax product.
-        cache = torch.zeros(
-            cfg.num_layers,
-            2,
-            slots,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype=self.dtype,
-            device=self.device,
+        return allocate_kv_cache(
+            spec.num_blocks, spec.block_size, self.model_config, self.dtype, self.device
         )
-        return list(cache.unbind(0))
 
     def _prepare_thread(self) -> None:
         """Per-thread CPU settings, applied on whichever thread runs the model.
@@ -167,25 +182,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Run one short forward so the first real step does not pay for lazy initialisation."""
+        """Run a short prefill and one decode step, so the first real steps do not pay for
+        lazy initialisation (on CUDA: library handles, FlashInfer's kernel builds)."""
         self._prepare_thread()
-        n = min(16, self.config.block_size, self.max_model_len - 1)
+        n = max(2, min(16, self.config.block_size, self.max_model_len - 1))
+        self._dummy_forward(n - 1, 1, self.kv_caches)
+        self._dummy_forward(n, 1, self.kv_caches, start=n - 1)
+
+    def _dummy_forward(
+        self, n: int, num_logits: int, kv_caches: list[torch.Tensor], start: int = 0
+    ) -> None:
+        """Run positions ``start..n-1`` of one sequence of zero tokens whose cache is the
+        first blocks of ``kv_caches``; logits for the last ``num_logits`` positions."""
+        new = n - start
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=self.device),
-            query_start_loc=torch.tensor([0, n], device=self.device),
+            slot_mapping=torch.arange(start, n, device=self.device),
+            query_start_loc=torch.tensor([0, new], device=self.device),
             seq_lens=torch.tensor([n], device=self.device),
-            block_tables=torch.zeros(1, 1, dtype=torch.int64, device=self.device),
-            max_query_len=n,
+            block_tables=torch.arange(-(-n // self.config.block_size), device=self.device)[None],
+            max_query_len=new,
             max_seq_len=n,
         )
         self.backend.prepare(meta, self.config.block_size)
-        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.model(
-            ids,
-            torch.arange(n, device=self.device),
-            self.kv_caches,
+            torch.zeros(new, dtype=torch.int64, device=self.device),
+            torch.arange(start, n, device=self.device),
+            kv_caches,
             meta,
-            torch.tensor([n - 1], device=self.device),
+            torch.arange(new - num_logits, new, device=self.device),
         )
 
     def _sync_rows(self, batch: SchedulerOutput) -> tuple[IntArray, IntArray, IntArray]:
@@ -264,11 +288,32 @@ class ModelRunner:
                 logits[i, banned] = float("-inf")
 
     def close(self) -> None:
-        """Drop the weights and the KV cache so their memory can be returned."""
-        self.kv_caches = []
-        del self.model
+        """Release the KV cache, the weights, the attention workspaces and the CUDA graphs
+        (when captured), so their device memory returns to the driver; idempotent.
+
+        A later runner in the same process starts from the same free memory, give or take
+        the CUDA libraries' per-thread state (cuBLAS workspaces, loaded kernels).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for name in _RELEASED_ON_CLOSE:
+            _close_part(self.__dict__.pop(name, None))
+        # NOTE: modules and FlashInfer wrappers can sit in reference cycles; collect them
+        # before the allocator's cached blocks go back to the driver.
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+_RELEASED_ON_CLOSE = ("graphs", "kv_caches", "model", "backend", "sampler", "batch")
+"""Runner attributes dropped by :meth:`ModelRunner.close` (each closed first if it can be)."""
+
+
+def _close_part(part: object) -> None:
+    close = getattr(part, "close", None)
+    if callable(close):
+        close()
 
 
 def _num_cores() -> int:

@@ -12,6 +12,7 @@ import torch
 
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.attention import AttentionBackend
+from inlinelm.gpu.kernels import Kernels
 from inlinelm.gpu.llama import (
     Linear,
     LlamaForCausalLM,
@@ -42,15 +43,18 @@ def load_model(
     device: torch.device,
     backend: AttentionBackend,
     max_positions: int,
+    kernels: Kernels | None = None,
 ) -> LlamaForCausalLM:
     """Build the model and fill every parameter from ``folder/*.safetensors``.
+
+    ``kernels`` defaults to :class:`~inlinelm.gpu.kernels.TorchKernels`.
 
     Raises ``ModelLoadError`` naming the file and tensor for truncated files, shape
     mismatches, non-float tensors and missing tensors; nothing half-loaded is returned.
     """
     start = time.perf_counter()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, max_positions=1)
+        model = LlamaForCausalLM(cfg, backend, max_positions=1, kernels=kernels)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions).to(device)
     params = _destinations(model)

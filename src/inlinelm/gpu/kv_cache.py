@@ -1,0 +1,138 @@
+"""KV-cache sizing and allocation: how many blocks the cache holds, and the tensors.
+
+``num_kv_blocks`` or ``kv_cache_bytes``, when set, decide on any device. Otherwise a CPU
+cache holds what ``max_num_seqs`` full-length sequences need, capped at
+:data:`DEFAULT_KV_CACHE_BYTES_CAP`; a CUDA cache takes what is left of
+``gpu_memory_utilization`` x the memory free when the engine started, once the weights,
+the peak activations of a profiling forward and the CUDA-graph reserve are counted.
+:func:`gpu_kv_cache_bytes` is that arithmetic on plain numbers; the measurements
+(:func:`free_device_memory`, :func:`peak_memory_of`) are the only CUDA calls here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from inlinelm.config import EngineConfig
+from inlinelm.errors import RequestError
+from inlinelm.gpu.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES_CAP = 2 * 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """How many blocks the cache holds and what one block costs."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuMemoryUse:
+    """What the runner measured on its CUDA device before allocating the cache, in bytes."""
+
+    free_at_start: int  # free device memory before the runner allocated anything
+    used: int  # held once loaded and profiled: weights, workspaces, CUDA library state
+    peak_activations: int  # the profiling forward's peak above what was allocated before it
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block: K and V of ``block_size`` tokens in every layer."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return block_size * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def gpu_kv_cache_bytes(use: GpuMemoryUse, *, utilization: float, reserve: int) -> int:
+    """The KV-cache budget on a GPU: the engine's share of the memory free at start, less
+    what it already holds, its peak activations and the CUDA-graph ``reserve``.
+
+    Raises :class:`~inlinelm.errors.RequestError` (``param="gpu_memory_utilization"``)
+    when nothing is left.
+    """
+    share = int(use.free_at_start * utilization)
+    budget = share - use.used - use.peak_activations - reserve
+    if budget <= 0:
+        mib = 2**20
+        raise RequestError(
+            f"no GPU memory left for the KV cache: {share / mib:.0f} MiB allowed "
+            f"(gpu_memory_utilization {utilization} of {use.free_at_start / mib:.0f} MiB free), "
+            f"{use.used / mib:.0f} MiB weights and workspaces, "
+            f"{use.peak_activations / mib:.0f} MiB peak activations, "
+            f"{reserve / mib:.0f} MiB CUDA-graph reserve; raise gpu_memory_utilization, "
+            "or lower max_num_batched_tokens or cuda_graph_memory_bytes",
+            param="gpu_memory_utilization",
+        )
+    return budget
+
+
+def kv_cache_spec(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    gpu_memory: GpuMemoryUse | None = None,
+) -> KVCacheSpec:
+    """Size the cache: explicit blocks, else a byte budget: ``kv_cache_bytes``, the GPU
+    budget when ``gpu_memory`` was measured, else the CPU default."""
+    per_block = bytes_per_block(cfg, config.block_size, dtype)
+    if config.num_kv_blocks is not None:
+        return KVCacheSpec(config.num_kv_blocks, config.block_size, per_block)
+    budget = config.kv_cache_bytes
+    if budget is None and gpu_memory is not None:
+        budget = gpu_kv_cache_bytes(
+            gpu_memory,
+            utilization=config.gpu_memory_utilization,
+            reserve=config.cuda_graph_memory_bytes,
+        )
+    if budget is None:
+        full_context = -(-max_model_len // config.block_size) * config.max_num_seqs * per_block
+        budget = min(full_context, DEFAULT_KV_CACHE_BYTES_CAP)
+    num_blocks = budget // per_block
+    if num_blocks < -(-max_model_len // config.block_size):
+        logger.warning("KV cache of %d blocks holds less than one full-length sequence", num_blocks)
+    return KVCacheSpec(max(int(num_blocks), 2), config.block_size, per_block)
+
+
+def allocate_kv_cache(
+    num_blocks: int, block_size: int, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One [2, num_blocks * block_size, num_kv_heads, head_dim] tensor per layer (K, V),
+    views of one allocation."""
+    # NOTE: zeros, not empty: padded gather positions read real slots, and NaN garbage
+    # would poison the masked softmax product.
+    cache = torch.zeros(
+        cfg.num_layers,
+        2,
+        num_blocks * block_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    return list(cache.unbind(0))
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Free memory on CUDA ``device`` by the driver's count, after pending work (CUDA only)."""
+    torch.cuda.synchronize(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def peak_memory_of(device: torch.device, run: Callable[[], object]) -> int:
+    """Bytes ``run()`` allocated on CUDA ``device`` at its peak, above what was allocated
+    before it (CUDA only)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    run()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - before)

@@ -39,6 +39,8 @@ ENGINE_HELP: dict[str, str] = {
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts over several steps, next to running decodes",
     "async_scheduling": "schedule the next step while the device runs this one (echo and device runners)",
+    "enforce_eager": "run decode steps eagerly: no CUDA graphs (CUDA)",
+    "max_cuda_graph_batch_size": "largest decode batch captured as a CUDA graph; default: max_num_seqs",
     "kv_cache_bytes": "KV-cache budget in bytes; default: up to 2 GiB on CPU, profiled free memory on CUDA",
     "num_kv_blocks": "exact number of KV-cache blocks (overrides the byte budget)",
     "gpu_memory_utilization": "fraction of free GPU memory the engine may take (CUDA)",

@@ -45,6 +45,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # Schedule the next step while the device runs this one (runners that support it).
     async_scheduling: bool = True
+    # CUDA graphs for decode steps (CUDA only); enforce_eager turns them off.
+    enforce_eager: bool = False
+    # Largest decode batch run as a graph; None: max_num_seqs.
+    max_cuda_graph_batch_size: int | None = None
     # KV cache sizing: a byte budget on CPU, a fraction of free memory on CUDA.
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
@@ -116,6 +120,10 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise RequestError(
                 "gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization"
+            )
+        if self.max_cuda_graph_batch_size is not None and self.max_cuda_graph_batch_size < 1:
+            raise RequestError(
+                "max_cuda_graph_batch_size must be >= 1", param="max_cuda_graph_batch_size"
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise RequestError("num_threads must be >= 1", param="num_threads")

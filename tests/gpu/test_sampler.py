@@ -419,3 +419,54 @@ def test_seed_is_batch_invariant_on_cuda_at_full_size() -> None:
     batch_params[100] = mine
     alone = tokens(logits[100:101], [mine], 0)
     assert tokens(logits, batch_params, 100) == alone
+
+
+class FakeKernel:
+    """A :class:`~inlinelm.gpu.sampler.RandomKernel` that records its calls and picks argmax."""
+
+    def __init__(self) -> None:
+        self.num_rows: list[int] = []
+
+    def __call__(
+        self, probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    ) -> torch.Tensor:
+        self.num_rows.append(probs.shape[0])
+        return probs.argmax(dim=-1).int()
+
+
+def _seeded(seed: int) -> torch.Generator:
+    generator = torch.Generator(CPU)
+    generator.manual_seed(seed)
+    return generator
+
+
+def test_kernel_samples_unseeded_rows_and_seeded_rows_keep_their_stream() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, V)
+    params = [
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=1.0, top_k=5, seed=3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_p=0.8, seed=4),
+    ]
+    generators = [None, _seeded(3), None, _seeded(4)]
+    kernel = FakeKernel()
+    out = Sampler(kernel)(logits.clone(), build(params, generators=generators))
+    assert kernel.num_rows == [4]
+    assert out.sampled[0] == logits[0].argmax()  # the kernel's pick
+    assert out.sampled[2] == logits[2].argmax()  # greedy
+    # Seeded rows: the same tokens as the torch path alone, whatever their batch.
+    alone = [
+        Sampler()(logits[i : i + 1].clone(), build([params[i]], generators=[_seeded(s)])).sampled
+        for i, s in ((1, 3), (3, 4))
+    ]
+    assert out.sampled[1] == alone[0][0] and out.sampled[3] == alone[1][0]
+
+
+def test_kernel_is_skipped_with_min_p_or_only_seeded_rows() -> None:
+    logits = torch.randn(2, V)
+    kernel = FakeKernel()
+    Sampler(kernel)(logits.clone(), build([SamplingParams(temperature=1.0, min_p=0.1)] * 2))
+    seeded = [SamplingParams(temperature=1.0, seed=1)] * 2
+    Sampler(kernel)(logits.clone(), build(seeded, generators=[_seeded(1), _seeded(2)]))
+    assert kernel.num_rows == []

@@ -17,6 +17,7 @@ import torch
 from inlinelm.sched.request import Request
 
 IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 
 
 @dataclass(slots=True)
@@ -34,6 +35,10 @@ class StepInputs:
     sampling_positions: IntArray  # index into the scheduled list of each sampling request
     max_query_len: int
     max_seq_len: int
+    # Tokens sampled by a step still in flight: ``input_ids[pending_tokens]`` is not known on
+    # the host and is gathered on the device from the last token sampled in ``pending_rows``.
+    pending_tokens: IntArray
+    pending_rows: IntArray
 
 
 class InputBatch:
@@ -82,14 +87,19 @@ class InputBatch:
             self.num_blocks[row] = len(block_ids)
 
     def append_tokens(self, rows: IntArray, token_ids: IntArray) -> None:
-        """Append one sampled token to each of ``rows``."""
+        """Append one sampled token to each of ``rows`` (once the host knows it)."""
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
 
     def prepare(
-        self, rows: IntArray, num_scheduled: IntArray, num_computed: IntArray
+        self, rows: IntArray, num_scheduled: IntArray, num_computed: IntArray, samples: BoolArray
     ) -> StepInputs:
-        """Build the flat step inputs for ``rows`` computing ``num_scheduled`` tokens each."""
+        """Build the flat step inputs for ``rows`` computing ``num_scheduled`` tokens each.
+
+        ``num_computed`` counts the tokens before this step's (steps in flight included);
+        ``samples`` says which rows sample. A token at or past a row's ``num_tokens`` was
+        sampled by a step in flight: it goes into ``pending_tokens``.
+        """
         total = int(num_scheduled.sum())
         query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
@@ -100,10 +110,11 @@ class InputBatch:
         seq_lens = num_computed + num_scheduled
         max_seq_len = int(seq_lens.max())
         max_blocks = -(-max_seq_len // self.block_size)
-        samples = seq_lens >= self.num_tokens[rows]
         sampling_positions = np.flatnonzero(samples)
+        known = positions < self.num_tokens[row_of_token]
+        pending_tokens = np.flatnonzero(~known)
         return StepInputs(
-            input_ids=self.token_ids[row_of_token, positions],
+            input_ids=np.where(known, self.token_ids[row_of_token, positions], 0),
             positions=positions,
             slot_mapping=block_ids * self.block_size + positions % self.block_size,
             query_start_loc=query_start_loc,
@@ -114,4 +125,6 @@ class InputBatch:
             sampling_positions=sampling_positions,
             max_query_len=int(num_scheduled.max()),
             max_seq_len=max_seq_len,
+            pending_tokens=pending_tokens,
+            pending_rows=row_of_token[pending_tokens],
         )

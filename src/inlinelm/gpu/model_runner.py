@@ -6,15 +6,21 @@ import gc
 import logging
 import os
 import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from inlinelm.config import EngineConfig
 from inlinelm.errors import RequestError
 from inlinelm.gpu.attention import AttentionMetadata
 from inlinelm.gpu.attention_backends import make_attention_backend, select_attention_backend
+from inlinelm.gpu.cuda_graphs import DecodeGraphs, make_graph_attention
 from inlinelm.gpu.input_batch import InputBatch, IntArray, StepInputs
 from inlinelm.gpu.kernels import make_kernels
 from inlinelm.gpu.kv_cache import (
@@ -25,7 +31,13 @@ from inlinelm.gpu.kv_cache import (
     peak_memory_of,
 )
 from inlinelm.gpu.model_config import ModelConfig
-from inlinelm.gpu.sampler import Sampler, to_token_logprobs
+from inlinelm.gpu.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplerOutput,
+    flashinfer_sampling,
+    to_token_logprobs,
+)
 from inlinelm.gpu.sampling_metadata import SamplingMetadata
 from inlinelm.gpu.weights import load_model
 from inlinelm.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -93,13 +105,21 @@ class ModelRunner:
         self.num_kv_blocks = self.kv_spec.num_blocks
         self.kv_caches = self._allocate_kv_cache()
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
-        self.sampler = Sampler()
         # Every core, for decode too: oneDNN splits even a one-row GEMV over the intra-op
         # threads (see docs/architecture.md, "CPU threads").
         self.num_threads = config.num_threads or _num_cores()
         self._current_threads = 0
         self._prepared_thread: int | None = None
         self._closed = False
+
+        # Step path: decode graphs, the last token sampled in each batch row (on the
+        # device, read by the next step's decodes), steps submitted but not collected.
+        self.scratch_block = self.num_kv_blocks  # the cache's extra block, never in the pool
+        self.graphs: DecodeGraphs | None = None
+        self._graphs_built = False
+        self._last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self._in_flight: deque[_StepInFlight] = deque()
+        self.sampler = Sampler(flashinfer_sampling(self.device))
 
     def _profile_gpu_memory(self, free_at_start: int | None) -> GpuMemoryUse | None:
         """On CUDA without an explicit cache size: measure what the weights hold and the
@@ -141,8 +161,10 @@ class ModelRunner:
             spec.block_size,
             spec.num_blocks * spec.bytes_per_block / 2**20,
         )
+        # NOTE: one block more than the pool hands out: the scratch block that padding rows
+        # of a graphed decode write to.
         return allocate_kv_cache(
-            spec.num_blocks, spec.block_size, self.model_config, self.dtype, self.device
+            spec.num_blocks + 1, spec.block_size, self.model_config, self.dtype, self.device
         )
 
     def _prepare_thread(self) -> None:
@@ -163,22 +185,65 @@ class ModelRunner:
             torch.set_num_threads(self.num_threads)
             self._current_threads = self.num_threads
 
-    @torch.inference_mode()
+    @property
+    def overlaps(self) -> bool:
+        """True when the device computes while the engine thread schedules (CUDA).
+
+        On a CPU the model computes on the engine thread itself, so submit/collect are a
+        plain split of :meth:`execute` and the loader keeps the plain engine loop; the
+        pipelined loop still drives this runner correctly (tests select it).
+        """
+        return self.device.type == "cuda"
+
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: update the persistent batch, forward, sample, record the tokens."""
+        """Run one step and wait for its tokens."""
+        self.submit(batch)
+        return self.collect()
+
+    @torch.inference_mode()
+    def submit(self, batch: SchedulerOutput) -> None:
+        """Launch one step: update the persistent batch, forward, sample, start the copy of
+        the sampled ids to the host. Returns without waiting for the device.
+
+        A decode whose input token is sampled by a step still in flight reads it on the
+        device, from the last token sampled in its row.
+        """
         self._prepare_thread()
+        self._ensure_graphs()
         # 1) forget rows the scheduler dropped, add and sync the scheduled ones
         for request_id in batch.removed_ids:
             self.batch.remove(request_id)
-        rows, num_scheduled, num_computed = self._sync_rows(batch)
+        rows, num_scheduled, starts, samples = self._sync_rows(batch)
         # 2) build the flat inputs and run the model on the rows that sample
-        inputs = self.batch.prepare(rows, num_scheduled, num_computed)
+        inputs = self.batch.prepare(rows, num_scheduled, starts, samples)
         self._set_threads()
         logits = self._forward(inputs)
-        if len(inputs.sampling_rows) == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        # 3) sample and append the new tokens to the persistent rows
-        return self._sample(batch, inputs, logits)
+        # 3) sample on the device; the ids start on their way to the host
+        self._in_flight.append(self._sample(batch, inputs, logits))
+
+    def collect(self) -> ModelRunnerOutput:
+        """Wait for the oldest submitted step; return its tokens and record them in the
+        rows that still belong to the same requests."""
+        step = self._in_flight.popleft()
+        if step.ready is not None:
+            step.ready.synchronize()  # NOTE: releases the GIL while it waits
+        sampled = step.sampled.numpy()
+        live = [
+            i
+            for i, (row, r) in enumerate(zip(step.rows, step.requests, strict=True))
+            if self.batch.requests[row] is r
+        ]
+        self.batch.append_tokens(step.rows[live], sampled[live])
+        logprobs = None
+        if step.logprobs is not None:
+            logprobs = to_token_logprobs(
+                SamplerOutput(step.sampled, step.logprobs), step.num_logprobs
+            )
+        return ModelRunnerOutput(
+            req_ids=[r.request_id for r in step.requests],
+            sampled_token_ids=sampled.tolist(),
+            logprobs=logprobs,
+        )
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -212,25 +277,38 @@ class ModelRunner:
             torch.arange(new - num_logits, new, device=self.device),
         )
 
-    def _sync_rows(self, batch: SchedulerOutput) -> tuple[IntArray, IntArray, IntArray]:
+    def _sync_rows(
+        self, batch: SchedulerOutput
+    ) -> tuple[IntArray, IntArray, IntArray, npt.NDArray[np.bool_]]:
         count = len(batch.scheduled)
         rows = np.empty(count, dtype=np.int64)
         num_scheduled = np.empty(count, dtype=np.int64)
-        num_computed = np.empty(count, dtype=np.int64)
+        starts = np.empty(count, dtype=np.int64)
+        samples = np.empty(count, dtype=np.bool_)
         for i, item in enumerate(batch.scheduled):
             request = item.request
             row = self.batch.row_of.get(request.request_id)
             if row is None:
                 row = self.batch.add(request, _generator(request.params.seed, self.device))
             self.batch.sync_blocks(row, request.block_ids)
-            rows[i], num_scheduled[i], num_computed[i] = (
+            rows[i], num_scheduled[i], starts[i], samples[i] = (
                 row,
                 item.num_tokens,
-                request.num_computed_tokens,
+                item.start,
+                item.samples,
             )
-        return rows, num_scheduled, num_computed
+        return rows, num_scheduled, starts, samples
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits ``[num sampling rows, V]``: a graph replay when it can, else eager."""
+        if self.graphs is not None and self.graphs.can_replay(inputs):
+            logits = self.graphs.run(inputs, self._fill_pending)
+            if len(inputs.sampling_rows) == len(inputs.seq_lens):
+                return logits
+            return logits[self._to_device(inputs.sampling_positions)]
+        return self._forward_eager(inputs)
+
+    def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
         to = self._to_device
         meta = AttentionMetadata(
             slot_mapping=to(inputs.slot_mapping),
@@ -239,10 +317,16 @@ class ModelRunner:
             block_tables=to(inputs.block_tables),
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
+            host_query_start_loc=inputs.query_start_loc,
+            host_seq_lens=inputs.seq_lens,
+            host_block_tables=inputs.block_tables,
         )
         self.backend.prepare(meta, self.config.block_size)
+        input_ids = to(inputs.input_ids)
+        if len(inputs.pending_tokens):
+            self._fill_pending(input_ids, inputs)
         logits: torch.Tensor = self.model(
-            to(inputs.input_ids),
+            input_ids,
             to(inputs.positions),
             self.kv_caches,
             meta,
@@ -250,13 +334,22 @@ class ModelRunner:
         )
         return logits
 
+    def _fill_pending(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
+        """Write the tokens sampled by steps in flight into ``input_ids``, on the device."""
+        rows = self._to_device(inputs.pending_rows)
+        input_ids.index_copy_(
+            0, self._to_device(inputs.pending_tokens), self._last_sampled.index_select(0, rows)
+        )
+
     def _to_device(self, array: IntArray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def _sample(
         self, batch: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
-    ) -> ModelRunnerOutput:
+    ) -> _StepInFlight:
         requests = [batch.scheduled[int(i)].request for i in inputs.sampling_positions]
+        if not requests:
+            return _StepInFlight([], inputs.sampling_rows, torch.empty(0, dtype=torch.int64))
         meta = SamplingMetadata.build(
             [r.params for r in requests],
             [r.prompt_token_ids for r in requests],
@@ -265,27 +358,112 @@ class ModelRunner:
             vocab_size=self.model_config.vocab_size,
             device=self.device,
         )
+        if not meta.no_penalties:
+            self._count_tokens_in_flight(meta, requests, inputs.sampling_rows)
         self._suppress_early_stops(logits, requests)
         out = self.sampler(logits, meta)
-        sampled = out.sampled.cpu().numpy().astype(np.int64)
-        self.batch.append_tokens(inputs.sampling_rows, sampled)
-        return ModelRunnerOutput(
-            req_ids=[r.request_id for r in requests],
-            sampled_token_ids=sampled.tolist(),
-            logprobs=to_token_logprobs(out, meta.num_logprobs)
-            if meta.max_num_logprobs is not None
-            else None,
+        sampled = out.sampled.long()
+        self._last_sampled.index_copy_(0, self._to_device(inputs.sampling_rows), sampled)
+        return _StepInFlight(
+            requests,
+            inputs.sampling_rows,
+            self._to_host(sampled),
+            None if out.logprobs is None else _logprobs_to_host(out.logprobs, self._to_host),
+            meta.num_logprobs,
+            self._record_event(),
         )
 
+    def _count_tokens_in_flight(
+        self, meta: SamplingMetadata, requests: list[Request], rows: IntArray
+    ) -> None:
+        """Penalties count a token a step in flight sampled (the host does not know it yet)."""
+        behind = [i for i, r in enumerate(requests) if r.num_pending_samples > 1]
+        if behind:
+            device_rows = self._to_device(rows[behind])
+            meta.count_tokens(
+                torch.tensor(behind, device=self.device),
+                self._last_sampled.index_select(0, device_rows),
+            )
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Start copying ``tensor`` to (pinned) host memory; wait on the step's event."""
+        if self.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host
+
+    def _record_event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch stub
+        event.record()
+        return event
+
     def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        """Ban EOS and stop tokens for rows that have not reached ``min_tokens`` yet."""
+        """Ban EOS and stop tokens for rows that have not reached ``min_tokens`` yet.
+
+        Outputs sampled by steps in flight count: ``num_pending_samples`` includes them and
+        this step's own sample.
+        """
         for i, request in enumerate(requests):
             params = request.params
-            if params.min_tokens and len(request.output_token_ids) < params.min_tokens:
+            num_before = len(request.output_token_ids) + request.num_pending_samples - 1
+            if params.min_tokens and num_before < params.min_tokens:
                 banned = list(params.stop_token_ids)
                 if request.eos_token_id is not None and not params.ignore_eos:
                     banned.append(request.eos_token_id)
                 logits[i, banned] = float("-inf")
+
+    # -- decode graphs -----------------------------------------------------------------
+
+    def build_graphs(self, *, capture: bool) -> None:
+        """Set up the static-buffer decode step; with ``capture``, capture its CUDA graphs.
+
+        Runs on the engine thread at the first step on CUDA (unless ``enforce_eager``).
+        ``capture=False`` runs the same static-buffer step eagerly: the CPU tests' switch.
+        """
+        self._graphs_built = True
+        limit = self.config.max_cuda_graph_batch_size or self.config.max_num_seqs
+        made = make_graph_attention(
+            self.backend,
+            min(limit, self.config.max_num_seqs),
+            self.max_model_len,
+            self.config.block_size,
+            self.device,
+        )
+        if made is None:
+            return
+        attention, sizes = made
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            attention,
+            sizes,
+            scratch_block=self.scratch_block,
+            block_size=self.config.block_size,
+            device=self.device,
+        )
+        if capture:
+            start = time.perf_counter()
+            self.graphs.capture()
+            logger.info(
+                "captured %d decode graphs (batch 1..%d) in %.2f s",
+                len(sizes),
+                sizes[-1],
+                time.perf_counter() - start,
+            )
+
+    def _ensure_graphs(self) -> None:
+        if not self._graphs_built and self.overlaps and not self.config.enforce_eager:
+            self.build_graphs(capture=True)
+
+    def _close_step_state(self) -> None:
+        """Release the decode graphs and any step still in flight."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        self._in_flight.clear()
 
     def close(self) -> None:
         """Release the KV cache, the weights, the attention workspaces and the CUDA graphs
@@ -297,6 +475,7 @@ class ModelRunner:
         if self._closed:
             return
         self._closed = True
+        self._close_step_state()
         for name in _RELEASED_ON_CLOSE:
             _close_part(self.__dict__.pop(name, None))
         # NOTE: modules and FlashInfer wrappers can sit in reference cycles; collect them
@@ -306,14 +485,38 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
 
-_RELEASED_ON_CLOSE = ("graphs", "kv_caches", "model", "backend", "sampler", "batch")
-"""Runner attributes dropped by :meth:`ModelRunner.close` (each closed first if it can be)."""
+_RELEASED_ON_CLOSE = ("kv_caches", "model", "backend", "sampler", "batch")
+"""Runner attributes dropped by :meth:`ModelRunner.close` (each closed first if it can be);
+the decode graphs are released first, by ``_close_step_state``."""
 
 
 def _close_part(part: object) -> None:
     close = getattr(part, "close", None)
     if callable(close):
         close()
+
+
+@dataclass(slots=True)
+class _StepInFlight:
+    """A submitted step: its sampling requests and rows, and its ids on their way to the host."""
+
+    requests: list[Request]
+    rows: IntArray
+    sampled: torch.Tensor  # [len(requests)] int64 on the host (pinned on CUDA)
+    logprobs: LogprobsTensors | None = None
+    num_logprobs: list[int | None] = field(default_factory=list)
+    ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
+
+
+def _logprobs_to_host(
+    lp: LogprobsTensors, to_host: Callable[[torch.Tensor], torch.Tensor]
+) -> LogprobsTensors:
+    return LogprobsTensors(
+        to_host(lp.sampled_logprobs),
+        to_host(lp.sampled_ranks),
+        to_host(lp.top_token_ids),
+        to_host(lp.top_logprobs),
+    )
 
 
 def _num_cores() -> int:

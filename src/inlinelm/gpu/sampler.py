@@ -10,6 +10,12 @@ Random rows sample with the exponential race: ``argmax(probs / q)`` with ``q ~ E
 token picks token ``i`` with probability ``probs[i]``. A seeded row draws its ``q`` from its own
 generator, so a seed gives the same tokens whatever else is in the batch and at any row.
 
+On CUDA, rows without a seed can sample through FlashInfer's top-k/top-p kernels instead
+(:class:`FlashInferSampling`, any :class:`RandomKernel`): same distribution, other random
+stream. Seeded rows always take the torch path (a per-request ``torch.Generator`` cannot
+feed a batched kernel), and so does a batch with min-p (the torch order, top-k, top-p then
+min-p, is kept). No step of either path syncs with the host.
+
 Logprobs are "processed" logprobs (vLLM's ``processed_logprobs`` mode): ``log_softmax`` of the
 logits after logit bias, penalties and temperature (1.0 for greedy rows), but *before* top-k,
 top-p and min-p truncation, so every token has a finite logprob and ranks are over the whole
@@ -18,8 +24,10 @@ vocabulary.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -52,8 +60,59 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None = None
 
 
+class RandomKernel(Protocol):
+    """Samples one token per row of ``probs`` [B, V] within its top-k (``[B]``, V = off)
+    and top-p (``[B]``) nucleus; either may be None (off for every row)."""
+
+    def __call__(
+        self, probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Return ``[B]`` token ids (any integer dtype)."""
+        ...
+
+
+class FlashInferSampling:
+    """:class:`RandomKernel` on ``flashinfer.sampling`` (CUDA; the torch generator's state)."""
+
+    def __init__(self) -> None:
+        self._kernels: Any = importlib.import_module("flashinfer.sampling")
+
+    def __call__(
+        self, probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    ) -> torch.Tensor:
+        """See :class:`RandomKernel`."""
+        k = self._kernels
+        if top_k is None and top_p is None:
+            result: torch.Tensor = k.sampling_from_probs(probs)
+        elif top_p is None:
+            result = k.top_k_sampling_from_probs(probs, top_k.int())  # type: ignore[union-attr]
+        elif top_k is None:
+            result = k.top_p_sampling_from_probs(probs, top_p)
+        else:
+            result = k.top_k_top_p_sampling_from_probs(
+                probs, top_k.int(), top_p, filter_apply_order="top_k_first"
+            )
+        return result
+
+
+def flashinfer_sampling(device: torch.device) -> RandomKernel | None:
+    """FlashInfer's kernels on a CUDA ``device`` when ``flashinfer`` imports, else None."""
+    if device.type != "cuda":
+        return None
+    try:
+        return FlashInferSampling()
+    except Exception:  # a broken install falls back to torch, as attention does
+        return None
+
+
 class Sampler:
-    """Samples one token per row; stateless, one instance serves every step."""
+    """Samples one token per row; stateless, one instance serves every step.
+
+    ``kernel``, when given, samples the unseeded random rows (see the module docstring).
+    """
+
+    def __init__(self, kernel: RandomKernel | None = None) -> None:
+        self.kernel = kernel
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from ``logits`` (``[B, V]`` float32) under ``meta``.
@@ -78,7 +137,8 @@ class Sampler:
             logits.div_(meta.temperature.unsqueeze(1))
         logprobs = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
         # 4) Random rows: truncate, then sample.
-        sampled = _merge(greedy, None if meta.all_greedy else _sample_random(logits, meta), meta)
+        random = None if meta.all_greedy else _sample_random(logits, meta, self.kernel)
+        sampled = _merge(greedy, random, meta)
         if logprobs is None or meta.max_num_logprobs is None:
             return SamplerOutput(sampled=sampled)
         return SamplerOutput(sampled, gather_logprobs(logprobs, sampled, meta.max_num_logprobs))
@@ -184,13 +244,44 @@ def to_token_logprobs(
     ]
 
 
-def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def _sample_random(
+    logits: torch.Tensor, meta: SamplingMetadata, kernel: RandomKernel | None
+) -> torch.Tensor:
+    """Sample every row (greedy rows too: the caller drops theirs): unseeded rows through
+    ``kernel`` when it applies, the rest through :func:`_sample_torch`."""
+    generators = meta.generators
+    if kernel is None or meta.min_p is not None or len(generators) == meta.num_rows:
+        return _sample_torch(logits, meta.top_k, meta.max_top_k, meta.top_p, meta.min_p, generators)
+    sampled = kernel(logits.softmax(dim=-1), meta.top_k, meta.top_p).long()
+    if not generators:
+        return sampled
+    rows = sorted(generators)
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    seeded = _sample_torch(
+        logits[index],
+        None if meta.top_k is None else meta.top_k[index],
+        meta.max_top_k,
+        None if meta.top_p is None else meta.top_p[index],
+        None,
+        {i: generators[row] for i, row in enumerate(rows)},
+    )
+    return sampled.index_copy_(0, index, seeded)
+
+
+def _sample_torch(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    max_top_k: int,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    generators: dict[int, torch.Generator],
+) -> torch.Tensor:
     """Truncate with top-k / top-p / min-p, then sample each row by the exponential race."""
-    apply_top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p)
-    if meta.min_p is not None:
-        apply_min_p(logits, meta.min_p)
+    apply_top_k_top_p(logits, top_k, max_top_k, top_p)
+    if min_p is not None:
+        apply_min_p(logits, min_p)
     probs = logits.softmax(dim=-1)
-    return probs.div_(_exponential_noise(probs, meta.generators)).argmax(dim=-1)
+    return probs.div_(_exponential_noise(probs, generators)).argmax(dim=-1)
 
 
 def _exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

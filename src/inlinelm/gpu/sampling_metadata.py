@@ -107,6 +107,18 @@ class SamplingMetadata:
             and self.max_num_logprobs is None
         )
 
+    def count_tokens(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count one more output token ``token_ids[j]`` in row ``rows[j]`` for the penalties.
+
+        For tokens only the device knows (sampled by a step still in flight); no host sync.
+        Rows with a penalty off are unaffected (their penalty is neutral).
+        """
+        if self.repetition is not None:
+            self.repetition.seen[rows, token_ids] = True
+        if self.occurrence is not None:
+            ones = torch.ones_like(token_ids, dtype=torch.float32)
+            self.occurrence.counts.index_put_((rows, token_ids), ones, accumulate=True)
+
     @classmethod
     def build(
         cls,

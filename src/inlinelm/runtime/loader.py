@@ -59,8 +59,13 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
     )
     logger.info("tokenizer loaded in %.2f s", time.perf_counter() - start)
     eos = tokenizer.eos_token_id
-    runner, max_model_len, vocab_size = _build_runner(config, files.folder, eos)
-    core = EngineCore(config.with_options(max_model_len=max_model_len), runner, eos, sink)
+    runner, max_model_len, vocab_size, overlaps = _build_runner(config, files.folder, eos)
+    # NOTE: a runner that computes on the engine thread (the CPU model) gains nothing from
+    # the pipelined loop, so it keeps the plain one.
+    core_config = config.with_options(
+        max_model_len=max_model_len, async_scheduling=config.async_scheduling and overlaps
+    )
+    core = EngineCore(core_config, runner, eos, sink)
     core.start()
     logger.info(
         "engine ready in %.2f s: %s runner, max_model_len %d, %d KV blocks of %d tokens",
@@ -75,14 +80,18 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
     )
 
 
-def _build_runner(config: EngineConfig, folder: Path, eos: int | None) -> tuple[Runner, int, int]:
+def _build_runner(
+    config: EngineConfig, folder: Path, eos: int | None
+) -> tuple[Runner, int, int, bool]:
+    """The runner, the context length, the vocabulary size, and whether the device
+    computes while the engine thread schedules (the pipelined loop pays off)."""
     if config.runner == "echo":
-        return _build_echo_runner(config, folder, eos)
+        return (*_build_echo_runner(config, folder, eos), True)
     from inlinelm.gpu.model_runner import ModelRunner
 
     runner = ModelRunner(config, folder)
     runner.warmup()
-    return runner, runner.max_model_len, runner.model_config.vocab_size
+    return runner, runner.max_model_len, runner.model_config.vocab_size, runner.overlaps
 
 
 def _build_echo_runner(

@@ -33,8 +33,8 @@ def with_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_torch_is_taken_as_asked_on_any_device() -> None:
-    assert select_attention_backend("torch", CPU, BF16) == "torch"
-    assert select_attention_backend("torch", CUDA, BF16) == "torch"
+    assert select_attention_backend("torch", CPU, BF16, head_dim=64) == "torch"
+    assert select_attention_backend("torch", CUDA, BF16, head_dim=64) == "torch"
 
 
 def test_auto_on_cpu_is_torch_without_trying_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,45 +42,53 @@ def test_auto_on_cpu_is_torch_without_trying_flashinfer(monkeypatch: pytest.Monk
         raise AssertionError("flashinfer imported off CUDA")
 
     monkeypatch.setattr(attention_backends, "_flashinfer_import_error", fail)
-    assert select_attention_backend("auto", CPU, BF16) == "torch"
+    assert select_attention_backend("auto", CPU, BF16, head_dim=64) == "torch"
     assert isinstance(make_attention_backend("auto", CPU, 4, 2, 8, torch.float32), TorchAttention)
 
 
 @pytest.mark.usefixtures("with_flashinfer")
 def test_auto_on_cuda_is_flashinfer_when_it_imports() -> None:
-    assert select_attention_backend("auto", CUDA, BF16) == "flashinfer"
-    assert select_attention_backend("flashinfer", CUDA, BF16) == "flashinfer"
+    assert select_attention_backend("auto", CUDA, BF16, head_dim=64) == "flashinfer"
+    assert select_attention_backend("flashinfer", CUDA, BF16, head_dim=64) == "flashinfer"
 
 
 @pytest.mark.usefixtures("with_flashinfer")
 def test_float32_runs_the_torch_backend() -> None:
-    assert select_attention_backend("auto", CUDA, torch.float32) == "torch"
+    assert select_attention_backend("auto", CUDA, torch.float32, head_dim=64) == "torch"
     with pytest.raises(RequestError, match="needs dtype bfloat16 or float16"):
-        select_attention_backend("flashinfer", CUDA, torch.float32)
+        select_attention_backend("flashinfer", CUDA, torch.float32, head_dim=64)
+
+
+@pytest.mark.usefixtures("with_flashinfer")
+def test_a_head_dim_flashinfer_lacks_runs_the_torch_backend() -> None:
+    assert select_attention_backend("auto", CUDA, BF16, head_dim=16) == "torch"
+    with pytest.raises(RequestError, match="needs a head dim") as info:
+        select_attention_backend("flashinfer", CUDA, BF16, head_dim=96)
+    assert info.value.param == "attention_backend"
 
 
 @pytest.mark.usefixtures("without_flashinfer")
 def test_auto_on_cuda_falls_back_to_torch_without_flashinfer() -> None:
-    assert select_attention_backend("auto", CUDA, BF16) == "torch"
+    assert select_attention_backend("auto", CUDA, BF16, head_dim=64) == "torch"
 
 
 @pytest.mark.usefixtures("without_flashinfer")
 def test_flashinfer_without_the_package_is_a_clear_error() -> None:
     with pytest.raises(RequestError, match="cannot import flashinfer") as info:
-        select_attention_backend("flashinfer", CUDA, BF16)
+        select_attention_backend("flashinfer", CUDA, BF16, head_dim=64)
     assert info.value.param == "attention_backend"
 
 
 @pytest.mark.usefixtures("with_flashinfer")
 def test_flashinfer_off_cuda_is_a_clear_error() -> None:
     with pytest.raises(RequestError, match="needs a CUDA device") as info:
-        select_attention_backend("flashinfer", CPU, BF16)
+        select_attention_backend("flashinfer", CPU, BF16, head_dim=64)
     assert info.value.param == "attention_backend"
 
 
 def test_unknown_backend_name_is_refused() -> None:
     with pytest.raises(RequestError, match="auto, flashinfer, torch"):
-        select_attention_backend("flash", CPU, BF16)
+        select_attention_backend("flash", CPU, BF16, head_dim=64)
 
 
 def test_importing_inlinelm_and_the_backends_never_imports_flashinfer() -> None:

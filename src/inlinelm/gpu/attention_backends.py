@@ -2,8 +2,8 @@
 
 ``"auto"`` picks FlashInfer on a CUDA device when ``import flashinfer`` works, the torch
 backend otherwise; ``"flashinfer"`` insists (and fails clearly where it cannot run);
-``"torch"`` always takes the torch backend. FlashInfer's kernels take 16-bit floats only,
-so a float32 model runs the torch backend.
+``"torch"`` always takes the torch backend. FlashInfer's kernels take 16-bit floats and
+head dims 64, 128 and 256 only, so any other model runs the torch backend.
 """
 
 from __future__ import annotations
@@ -13,22 +13,23 @@ from typing import Literal, get_args
 
 import torch
 
+from inlinelm.config import AttentionBackendName
 from inlinelm.errors import RequestError
 from inlinelm.gpu.attention import AttentionBackend, TorchAttention
 
-AttentionBackendName = Literal["auto", "flashinfer", "torch"]
 AttentionBackendKind = Literal["flashinfer", "torch"]
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 def select_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype
+    name: str, device: torch.device, dtype: torch.dtype, *, head_dim: int
 ) -> AttentionBackendKind:
     """Resolve the engine option ``name`` for a ``dtype`` model on ``device``.
 
     Raises :class:`~inlinelm.errors.RequestError` (``param="attention_backend"``) for an
-    unknown name, or for ``"flashinfer"`` off CUDA, with a float32 model, or without an
-    importable ``flashinfer``.
+    unknown name, or for ``"flashinfer"`` off CUDA, with a float32 model, a head dim its
+    kernels lack, or without an importable ``flashinfer``.
     """
     if name not in get_args(AttentionBackendName):
         raise RequestError(
@@ -49,6 +50,14 @@ def select_attention_backend(
         if name == "flashinfer":
             raise RequestError(
                 f"attention_backend 'flashinfer' needs dtype bfloat16 or float16, not {dtype}",
+                param="attention_backend",
+            )
+        return "torch"
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        if name == "flashinfer":
+            raise RequestError(
+                f"attention_backend 'flashinfer' needs a head dim in {FLASHINFER_HEAD_DIMS}, "
+                f"not {head_dim}",
                 param="attention_backend",
             )
         return "torch"
@@ -73,7 +82,7 @@ def make_attention_backend(
     dtype: torch.dtype,
 ) -> AttentionBackend:
     """Build the backend :func:`select_attention_backend` picks for ``name`` on ``device``."""
-    if select_attention_backend(name, device, dtype) == "torch":
+    if select_attention_backend(name, device, dtype, head_dim=head_dim) == "torch":
         return TorchAttention(num_heads, num_kv_heads, head_dim)
     from inlinelm.gpu.flashinfer_backend import FlashInferAttention
 

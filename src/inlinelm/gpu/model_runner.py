@@ -76,7 +76,10 @@ class ModelRunner:
         # NOTE: one choice for attention and the model's other kernels: FlashInfer for all,
         # or torch for all (the torch path is the reference the device tests compare to).
         self.kernels_kind = select_attention_backend(
-            config.attention_backend, self.device, self.dtype
+            config.attention_backend,
+            self.device,
+            self.dtype,
+            head_dim=self.model_config.head_dim,
         )
         self.backend = make_attention_backend(
             self.kernels_kind,

@@ -68,10 +68,23 @@ class FlashInferAttention:
             use_tensor_cores=num_heads // num_kv_heads >= TENSOR_CORE_DECODE_MIN_GROUP,
             backend="fa2",
         )
+        self._planned: Any = None  # a torch.cuda.Event recorded after the last plan
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Build the page table and plan the step's wrapper, once for all layers."""
         table = step_page_table(meta, block_size, self.device)
+        # NOTE: plan() stages through the wrapper's pinned host buffer with an async copy:
+        # with a step in flight (the pipelined runner), the previous plan's copy must land
+        # before that buffer is rewritten. It is early in the previous step: a short wait.
+        if self._planned is not None:
+            self._planned.synchronize()
+        self._plan(table, block_size)
+        meta.plan = _FlashInferPlan(table, self._decode if table.is_decode else self._prefill)
+        if self.device.type == "cuda":
+            self._planned = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch stub
+            self._planned.record()
+
+    def _plan(self, table: PageTable, block_size: int) -> None:
         host, device = table.host, table.device
         # NOTE: plan() reads the indptrs on the host (a device indptr would cost a sync)
         # and the page ids on the device; every optional argument goes by keyword.
@@ -90,7 +103,6 @@ class FlashInferAttention:
                 kv_data_type=self.dtype,
                 non_blocking=True,
             )
-            meta.plan = _FlashInferPlan(table, self._decode)
             return
         self._prefill.plan(
             host.qo_indptr,
@@ -108,7 +120,6 @@ class FlashInferAttention:
             kv_data_type=self.dtype,
             non_blocking=True,
         )
-        meta.plan = _FlashInferPlan(table, self._prefill)
 
     def forward(
         self,

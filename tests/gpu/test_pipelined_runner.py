@@ -101,15 +101,17 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     [
         {},
         {"max_num_batched_tokens": 7},
-        {"num_kv_blocks": 9, "max_num_batched_tokens": 32},
+        {"num_kv_blocks": 4, "max_num_batched_tokens": 32},
     ],
     ids=["one-shot", "chunks-of-7", "preemption"],
 )
 def test_pipelined_greedy_equals_plain(
     options: dict[str, Any], tiny_model_dir: Path, tokenizer: Any
 ) -> None:
-    plain, piped, _ = _both(tiny_model_dir, lambda: _prompts(tokenizer, GREEDY), **options)
+    plain, piped, requests = _both(tiny_model_dir, lambda: _prompts(tokenizer, GREEDY), **options)
     assert piped == plain
+    if options.get("num_kv_blocks") == 4:
+        assert any(r.num_preemptions for r in requests), "no request was preempted"
 
 
 def test_pipelined_static_decode_equals_plain(tiny_model_dir: Path, tokenizer: Any) -> None:

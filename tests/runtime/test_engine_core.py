@@ -321,3 +321,45 @@ def test_pipelined_loop_submits_the_next_step_before_collecting_this_one() -> No
         assert calls[:4] == [("submit", 0), ("collect", 0), ("submit", 1), ("collect", 1)]
     # max_tokens is known ahead: no step is launched past the fourth token.
     assert calls.count(("submit", 4)) == 0
+
+
+class ThreadSetupRunner(EchoRunner):
+    """Records the thread ``start_on_thread`` runs on, and raises ``error`` there if set."""
+
+    def __init__(self, *args: Any, error: BaseException | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.error = error
+        self.setup_thread: str | None = None
+        self.closed = False
+
+    def start_on_thread(self) -> None:
+        self.setup_thread = threading.current_thread().name
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
+
+
+def test_the_runner_is_set_up_on_the_engine_thread_before_start_returns() -> None:
+    config = make_config()
+    runner = ThreadSetupRunner(config, 64, EOS)
+    core = start_core(runner, Sink(), config)
+    try:
+        assert runner.setup_thread == "inlinelm-engine"
+    finally:
+        core.shutdown()
+        assert core.join(WAIT_S)
+
+
+def test_a_runner_set_up_that_fails_raises_from_start_and_releases_the_runner() -> None:
+    config = make_config()
+    error = RuntimeError("injected: graph capture fell over")
+    runner = ThreadSetupRunner(config, 64, EOS, error=error)
+    core = EngineCore(config, runner, EOS, Sink())
+    with pytest.raises(RuntimeError) as info:
+        core.start()
+    assert info.value is error
+    assert runner.closed
+    assert not core.is_alive

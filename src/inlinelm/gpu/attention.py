@@ -115,8 +115,10 @@ class TorchAttention:
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Split the step into decode groups and prefill chunks."""
-        starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
+        # NOTE: the host copies when the runner passed them: on CUDA, .tolist() of a device
+        # tensor would wait for the step in flight.
+        starts = _host_list(meta.host_query_start_loc, meta.query_start_loc)
+        seq_lens = _host_list(meta.host_seq_lens, meta.seq_lens)
         single = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
         chunks = [
             self._chunk(meta, i, starts[i], starts[i + 1], seq_lens[i], block_size)
@@ -245,3 +247,8 @@ class TorchAttention:
             enable_gqa=True,
         )
         out[chunk.start : chunk.end] = result[0].transpose(0, 1)
+
+
+def _host_list(host: npt.NDArray[np.int64] | None, device: torch.Tensor) -> list[int]:
+    values: list[int] = host.tolist() if host is not None else device.tolist()
+    return values

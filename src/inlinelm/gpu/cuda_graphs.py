@@ -155,10 +155,14 @@ class FlashInferGraphAttention:
             pack_page_table(query_start_loc, seq_lens, block_tables, self.block_size)
         )
         host = PageTableArrays.unpack(packed, size)
+        # NOTE: the page ids go to the device first: in CUDA-graph mode FlashInfer copies
+        # host-side ids into its static buffer with a blocking copy, which would wait for
+        # the step in flight (indptr and last-page lengths it copies without blocking).
+        on_device = PageTableArrays.unpack(packed.to(self.indices.device, non_blocking=True), size)
         b = self.backend
         self.wrappers[size].plan(
             host.kv_indptr,
-            host.kv_indices,
+            on_device.kv_indices,
             host.kv_last_page_len,
             b.num_heads,
             b.num_kv_heads,

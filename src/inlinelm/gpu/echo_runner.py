@@ -52,6 +52,9 @@ class EchoRunner:
         self._in_flight: deque[tuple[float, ModelRunnerOutput]] = deque()
         self._device_free_at = 0.0
 
+    def start_on_thread(self) -> None:
+        """Nothing belongs to the engine thread (see ``Runner.start_on_thread``)."""
+
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for it."""
         self.submit(batch)

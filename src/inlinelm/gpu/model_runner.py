@@ -198,6 +198,14 @@ class ModelRunner:
         """
         return self.device.type == "cuda"
 
+    def start_on_thread(self) -> None:
+        """On CUDA: make the runner's device current on the engine thread and capture the
+        decode graphs there (capture and replay belong to one thread), before the first
+        request, so none of them waits for it (see ``Runner.start_on_thread``)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self._ensure_graphs()
+
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its tokens."""
         self.submit(batch)

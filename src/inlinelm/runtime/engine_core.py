@@ -90,6 +90,8 @@ class EngineCore:
         self._sink = sink
         self._inputs: queue.SimpleQueue[EngineCoreInput] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
         self._pending: list[EngineCoreOutput] = []
         self._shutdown = False
         self._step_index = 0
@@ -99,10 +101,15 @@ class EngineCore:
     # -- any thread ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread (once)."""
+        """Start the engine thread (once); returns when the runner is set up on it, and
+        raises what that set-up raised (the thread has then exited)."""
         assert self._thread is None, "EngineCore.start() called twice"
         self._thread = threading.Thread(target=self._run, name="inlinelm-engine", daemon=True)
         self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            raise self._start_error
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the thread to exit; returns True once it has (or was never started)."""
@@ -171,6 +178,14 @@ class EngineCore:
     # -- engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self.runner.start_on_thread()
+        except BaseException as exc:
+            self._start_error = exc
+            self._release(None)
+            return
+        finally:
+            self._started.set()
         error: BaseException | None = None
         try:
             self._loop()

@@ -101,6 +101,11 @@ class Runner(Protocol):
 
     num_kv_blocks: int
 
+    def start_on_thread(self) -> None:
+        """Called once on the engine thread before its first step: set up what belongs to
+        the thread that runs the steps (the current CUDA device, captured CUDA graphs)."""
+        ...
+
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         """Compute the batch, write its KV, and sample one token per finished prompt."""
         ...

@@ -48,6 +48,20 @@ def test_spec_on_a_gpu_turns_the_budget_into_blocks(tiny_model_dir: Path) -> Non
     )
 
 
+def test_the_graph_reserve_is_kept_only_when_graphs_are_captured(tiny_model_dir: Path) -> None:
+    cfg = ModelConfig.from_folder(tiny_model_dir)
+    use = GpuMemoryUse(free_at_start=4 * GiB, used=1 * GiB, peak_activations=256 * MiB)
+    graphs = EngineConfig(device="cuda", cuda_graph_memory_bytes=512 * MiB)
+    eager = graphs.with_options(enforce_eager=True)
+    with_graphs = kv_cache_spec(graphs, cfg, 2048, torch.bfloat16, use)
+    without = kv_cache_spec(eager, cfg, 2048, torch.bfloat16, use)
+    per_block = with_graphs.bytes_per_block
+    assert without.num_blocks - with_graphs.num_blocks in (
+        512 * MiB // per_block,
+        512 * MiB // per_block + 1,
+    )
+
+
 def test_explicit_sizes_win_over_the_measurement(tiny_model_dir: Path) -> None:
     cfg = ModelConfig.from_folder(tiny_model_dir)
     use = GpuMemoryUse(free_at_start=4 * GiB, used=1 * GiB, peak_activations=0)

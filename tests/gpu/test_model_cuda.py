@@ -74,7 +74,16 @@ def test_the_profiling_forward_runs_at_the_step_token_budget(
         run()
         return 7 * MiB
 
+    sampler = runner.sampler
+    sampled: list[tuple[int, ...]] = []
+
+    def sampling(logits: torch.Tensor, meta: Any) -> Any:
+        sampled.append(tuple(logits.shape))
+        assert meta.max_num_logprobs == config.max_logprobs  # the costliest sampling
+        return sampler(logits, meta)
+
     monkeypatch.setattr(runner.model, "forward", counted)
+    monkeypatch.setattr(runner, "sampler", sampling)
     monkeypatch.setattr(model_runner, "peak_memory_of", peak)
     monkeypatch.setattr(model_runner, "free_device_memory", lambda device: 900 * MiB)
     assert runner._profile_gpu_memory(None) is None
@@ -82,6 +91,7 @@ def test_the_profiling_forward_runs_at_the_step_token_budget(
     assert use is not None
     assert (use.free_at_start, use.used, use.peak_activations) == (1000 * MiB, 100 * MiB, 7 * MiB)
     assert calls == [40, 2]  # one sequence of the whole budget, logits for max_num_seqs rows
+    assert sampled == [(2, runner.model_config.vocab_size)]  # sampler temporaries counted
     explicit = runner.config.with_options(num_kv_blocks=8)
     monkeypatch.setattr(runner, "config", explicit)
     assert runner._profile_gpu_memory(1000 * MiB) is None

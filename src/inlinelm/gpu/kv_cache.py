@@ -90,7 +90,7 @@ def kv_cache_spec(
         budget = gpu_kv_cache_bytes(
             gpu_memory,
             utilization=config.gpu_memory_utilization,
-            reserve=config.cuda_graph_memory_bytes,
+            reserve=0 if config.enforce_eager else config.cuda_graph_memory_bytes,
         )
     if budget is None:
         full_context = -(-max_model_len // config.block_size) * config.max_num_seqs * per_block

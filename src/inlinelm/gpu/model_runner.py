@@ -40,6 +40,7 @@ from inlinelm.gpu.sampler import (
 )
 from inlinelm.gpu.sampling_metadata import SamplingMetadata
 from inlinelm.gpu.weights import load_model
+from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.output import ModelRunnerOutput, SchedulerOutput
 from inlinelm.sched.request import Request
 
@@ -98,6 +99,7 @@ class ModelRunner:
             max_positions=self.max_model_len,
             kernels=make_kernels(self.kernels_kind),
         )
+        self.sampler = Sampler(flashinfer_sampling(self.device))
         self.kv_spec = kv_cache_spec(
             config,
             self.model_config,
@@ -122,7 +124,6 @@ class ModelRunner:
         self._graphs_built = False
         self._last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self._in_flight: deque[_StepInFlight] = deque()
-        self.sampler = Sampler(flashinfer_sampling(self.device))
 
     def _profile_gpu_memory(self, free_at_start: int | None) -> GpuMemoryUse | None:
         """On CUDA without an explicit cache size: measure what the weights hold and the
@@ -154,7 +155,30 @@ class ModelRunner:
         scratch = allocate_kv_cache(
             -(-n // block_size), block_size, self.model_config, self.dtype, self.device
         )
-        return peak_memory_of(self.device, lambda: self._dummy_forward(n, num_logits, scratch))
+        return peak_memory_of(self.device, lambda: self._profile_step(n, num_logits, scratch))
+
+    def _profile_step(self, n: int, num_logits: int, kv_caches: list[torch.Tensor]) -> None:
+        """A forward over ``n`` tokens, then the costliest sampling of ``num_logits`` rows
+        (top-k, top-p, penalties and the most logprobs: every ``[rows, vocab]`` temporary)."""
+        logits = self._dummy_forward(n, num_logits, kv_caches)
+        params = SamplingParams(
+            temperature=0.7,
+            top_k=50,
+            top_p=0.9,
+            presence_penalty=0.5,
+            repetition_penalty=1.1,
+            logprobs=self.config.max_logprobs,
+        )
+        rows = logits.shape[0]
+        meta = SamplingMetadata.build(
+            [params] * rows,
+            [[0]] * rows,
+            [[0]] * rows,
+            [None] * rows,
+            vocab_size=self.model_config.vocab_size,
+            device=self.device,
+        )
+        self.sampler(logits, meta)
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         spec = self.kv_spec
@@ -267,7 +291,7 @@ class ModelRunner:
 
     def _dummy_forward(
         self, n: int, num_logits: int, kv_caches: list[torch.Tensor], start: int = 0
-    ) -> None:
+    ) -> torch.Tensor:
         """Run positions ``start..n-1`` of one sequence of zero tokens whose cache is the
         first blocks of ``kv_caches``; logits for the last ``num_logits`` positions."""
         new = n - start
@@ -280,13 +304,14 @@ class ModelRunner:
             max_seq_len=n,
         )
         self.backend.prepare(meta, self.config.block_size)
-        self.model(
+        logits: torch.Tensor = self.model(
             torch.zeros(new, dtype=torch.int64, device=self.device),
             torch.arange(start, n, device=self.device),
             kv_caches,
             meta,
             torch.arange(new - num_logits, new, device=self.device),
         )
+        return logits
 
     def _sync_rows(
         self, batch: SchedulerOutput

@@ -14,7 +14,7 @@
 # "skipped: no CUDA" within seconds (pytest only collects). Exit status: 0 when every stage
 # is ok or skipped, 1 when one failed or timed out, 2 for a usage error.
 #
-# Environment: PYTHON (python3), GPU_CHECK_BUDGET_S (470), GPU_CHECK_STAGES (a space-separated
+# Environment: PYTHON (.venv/bin/python when present, else python3), GPU_CHECK_BUDGET_S (470), GPU_CHECK_STAGES (a space-separated
 # subset to rerun, e.g. "install jit gpu_decode"; the others report "skipped: not in
 # GPU_CHECK_STAGES"; later stages need install), GPU_CHECK_WHEELS (.whl), GPU_CHECK_SITE
 # (/tmp/inlinelm-gpu-site), GPU_CHECK_CACHE (/tmp/inlinelm-gpu-cache: FlashInfer's JIT cache).
@@ -26,6 +26,11 @@ fi
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="$(mkdir -p "$1" && cd "$1" && pwd)"
 cd "$ROOT"
+# NOTE: the project's venv when there is one (a CPU rehearsal here); the system Python on
+# the device, where the carried tree has no .venv and torch is preinstalled.
+if [ -z "${PYTHON:-}" ] && [ -x "$ROOT/.venv/bin/python" ]; then
+    PYTHON="$ROOT/.venv/bin/python"
+fi
 PY="${PYTHON:-python3}"
 BUDGET="${GPU_CHECK_BUDGET_S:-470}"
 WHEELS="${GPU_CHECK_WHEELS:-$ROOT/.whl}"

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # A CPU build of torch that pip takes from local disk; a bare `torch` pulls a CUDA build.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: install serve test lint typecheck bench clean
+.PHONY: install serve test lint typecheck browser bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: $(STAMP) lint typecheck
+# The chat page's tests drive Debian's chromium headless; install it when missing (as root,
+# as CI runs). Without apt-get the browser tests skip, except under CI, where they fail.
+browser:
+	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+test: $(STAMP) browser lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)

@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 
+from inlinelm.api.page import chat_page_route
 from inlinelm.api.protocol import DEFAULT_MAX_FANOUT, DEFAULT_MAX_REQUEST_BYTES
 from inlinelm.api.router import DEFAULT_SSE_PING_S, openai_router
 from inlinelm.config import EngineConfig
@@ -22,7 +23,7 @@ def create_app(
     max_fanout: int = DEFAULT_MAX_FANOUT,
     api_key: str | None = None,
 ) -> Starlette:
-    """A Starlette app serving the OpenAI-compatible API at its root.
+    """A Starlette app serving the OpenAI-compatible API at its root, and a chat page at ``/``.
 
     Given an ``EngineConfig``, the app makes the engine; given an ``Engine``, it takes it
     over. Either way the app's lifespan starts the engine before the first request and
@@ -47,6 +48,6 @@ def create_app(
         max_fanout=max_fanout,
         api_key=api_key,
     )
-    app = Starlette(routes=list(router.routes), lifespan=lifespan)
+    app = Starlette(routes=[chat_page_route(), *router.routes], lifespan=lifespan)
     app.state.engine = engine
     return app

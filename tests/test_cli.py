@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from inlinelm.cli import API_KEY_ENV, ENGINE_HELP, api_key, build_parser, engine_config
+from inlinelm.cli import API_KEY_ENV, ENGINE_HELP, api_key, build_parser, engine_config, main
 from inlinelm.config import EngineConfig
 
 
@@ -78,6 +78,42 @@ def test_bad_flags_exit_with_usage(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(argv)
     assert info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "bad"),
+    [
+        (["serve", "--mod", "/x"], "--mod /x"),  # an abbreviation of --model
+        (["serve", "--max-num", "3"], "--max-num 3"),
+        (["serve", "--bogus"], "--bogus"),
+    ],
+)
+def test_unknown_and_abbreviated_flags_get_the_serve_usage(
+    argv: list[str], bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: inlinelm serve")
+    assert f"inlinelm serve: error: unrecognized arguments: {bad}" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--model", "/nope"], "model '/nope' does not exist"),
+        (["serve", "--runner", "echo", "--max-num-seqs", "0"], "max_num_seqs must be a positive"),
+        (["serve", "--device", "tpu"], "device must be 'cpu', 'cuda' or 'cuda:N'"),
+    ],
+)
+def test_a_model_or_option_that_cannot_work_is_one_line_and_a_failure(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("inlinelm serve: error: ") and message in err
+    assert "Traceback" not in err
 
 
 def test_python_m_inlinelm_serve_streams_a_chat_and_logs_each_request() -> None:

@@ -2,10 +2,23 @@
 
 ``Engine`` runs the model on one dedicated thread and delivers outputs to the caller's
 event loop; ``inlinelm.api`` serves it as an OpenAI-compatible Starlette router.
+
+Logging: inlinelm logs on the ``inlinelm`` logger (and its children, such as
+``inlinelm.gpu.model_files``) and configures no handler itself. To see the model being
+converted and loaded, the KV-cache size and the sampling defaults::
+
+    import logging
+    logging.basicConfig(level=logging.INFO)                   # everything at INFO
+    logging.getLogger("inlinelm").setLevel(logging.INFO)      # or inlinelm alone
+
+On a terminal or in Jupyter, the first start also draws progress bars for the GGUF
+conversion and the weight loading; elsewhere only the log shows them. See
+docs/logging.md.
 """
 
 from inlinelm.config import EngineConfig
 from inlinelm.errors import (
+    ConfigError,
     EngineClosedError,
     EngineDeadError,
     InlineLMError,
@@ -23,6 +36,7 @@ from inlinelm.sampling_params import OutputKind, SamplingParams
 
 __all__ = [
     "CompletionOutput",
+    "ConfigError",
     "Engine",
     "EngineClosedError",
     "EngineConfig",

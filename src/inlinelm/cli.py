@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,8 @@ from typing import Any
 from inlinelm.api.protocol import DEFAULT_MAX_FANOUT, DEFAULT_MAX_REQUEST_BYTES
 from inlinelm.api.router import DEFAULT_SSE_PING_S
 from inlinelm.config import EngineConfig
+from inlinelm.errors import InlineLMError
+from inlinelm.gpu.model_files import check_model, default_model_path
 
 API_KEY_ENV = "INLINELM_API_KEY"
 
@@ -55,17 +58,55 @@ ENGINE_HELP: dict[str, str] = {
     "max_logprobs": "most top logprobs a request may ask for",
     "max_n": "most choices (n) one request may ask for",
     "max_inline_prompt_chars": "tokenize longer prompts on a worker thread, off the event loop",
+    "default_max_tokens": "max_tokens of a request that sets none; default: the model's "
+    "generation_config max_new_tokens, else 1024",
+    "default_temperature": "temperature of a request that sets none; default: the model's "
+    "generation_config, else 0.7",
+    "default_top_p": "top_p of a request that sets none; default: the model's generation_config, else 0.9",
+    "default_top_k": "top_k of a request that sets none; default: the model's generation_config, else 0 (off)",
+    "default_min_p": "min_p of a request that sets none; default: the model's generation_config, else 0",
+    "default_repetition_penalty": "repetition_penalty of a request that sets none; default: the "
+    "model's generation_config, else 1 (off)",
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``inlinelm`` command; returns the exit status."""
+    """The ``inlinelm`` command; returns the exit status.
+
+    Usage errors (an unknown or abbreviated flag) print the sub-command's usage and exit
+    with 2; an engine option or model that cannot work prints one line and exits with 1.
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    command_parser: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+    if extra:
+        command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "serve":
+        try:
+            check_serve(args)
+        except InlineLMError as e:
+            print(f"{command_parser.prog}: error: {e}", file=sys.stderr)
+            return 1
         return serve(args)
     parser.print_help()
     return 2
+
+
+def check_serve(args: argparse.Namespace) -> None:
+    """What ``serve`` can know is wrong before it starts the server: the engine options
+    and the device (``ConfigError``), the model's path (``ModelLoadError``); nothing is
+    loaded."""
+    from inlinelm.runtime.loader import check_device
+
+    config = engine_config(args)
+    if config.runner == "echo" and config.model == "default":
+        return
+    if config.model == "default":
+        default_model_path()
+    else:
+        check_model(config.model)
+    if config.runner == "model":
+        check_device(config.device)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,13 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="inlinelm",
         description="An LLM serving engine that embeds in your Python process.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve_parser = commands.add_parser(
         "serve",
         help="serve the OpenAI-compatible API over HTTP",
         description="Serve the OpenAI-compatible API (chat, completions, models, health, metrics) with uvicorn.",
+        allow_abbrev=False,
     )
+    # NOTE: main() reports a flag the sub-command does not know with this parser's usage.
+    serve_parser.set_defaults(command_parser=serve_parser)
     add_server_options(serve_parser)
     add_engine_options(serve_parser.add_argument_group("engine options"))
     parser.epilog = "inlinelm serve\n" + "\n".join(

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, get_args
 
-from inlinelm.errors import RequestError
+from inlinelm.errors import ConfigError, RequestError, did_you_mean
+from inlinelm.sampling_params import SamplingParams
 
 RunnerKind = Literal["model", "echo"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -14,6 +17,23 @@ AttentionBackendName = Literal["auto", "flashinfer", "torch"]
 DEFAULT_CUDA_GRAPH_MEMORY_BYTES = 512 * 1024**2
 """GPU memory the KV-cache sizing leaves for the CUDA-graph pool (static buffers, captured
 activations, per-size attention wrappers)."""
+
+FALLBACK_SAMPLING: Mapping[str, Any] = {
+    "max_tokens": 1024,
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+"""The sampling defaults of a model whose ``generation_config.json`` does not set them.
+
+A request that leaves one of these fields unset gets, in order: the engine option
+``default_<field>`` when given, the model's ``generation_config.json`` value (its
+``max_new_tokens`` for ``max_tokens``), else this value. A moderate temperature with a
+nucleus cut gives coherent answers from small models, where 1.0 rambles."""
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +90,14 @@ class EngineConfig:
     # tokenized on a worker thread instead of the event loop (a thread hop costs more than
     # it saves for short ones).
     max_inline_prompt_chars: int = 16384
+    # Sampling defaults for requests that leave a field unset; None: the model's
+    # generation_config.json, else FALLBACK_SAMPLING (see sampling_defaults).
+    default_max_tokens: int | None = None
+    default_temperature: float | None = None
+    default_top_p: float | None = None
+    default_top_k: int | None = None
+    default_min_p: float | None = None
+    default_repetition_penalty: float | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -84,14 +112,51 @@ class EngineConfig:
         return "bfloat16" if self.device.startswith("cuda") else "float32"
 
     def with_options(self, **options: Any) -> EngineConfig:
-        """A copy with some options replaced; unknown names raise ``RequestError``."""
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(options) - known)
+        """A copy with some options replaced; an unknown name or a bad value raises
+        :class:`~inlinelm.errors.ConfigError` (with a "did you mean" for a misspelt name)."""
+        known = [f.name for f in fields(self)]
+        unknown = sorted(set(options) - set(known))
         if unknown:
-            raise RequestError(f"unknown engine option {unknown[0]!r}", param=unknown[0])
+            name = unknown[0]
+            raise ConfigError(
+                f"unknown engine option {name!r}{did_you_mean(name, known)}", option=name
+            )
         return replace(self, **options)
 
+    def sampling_defaults(self, model_defaults: Mapping[str, Any]) -> dict[str, Any]:
+        """The values a request's unset sampling fields take (see ``FALLBACK_SAMPLING``):
+        a ``default_*`` option when set, else ``model_defaults`` (from the model's
+        generation_config.json), else the fallback."""
+        chosen = dict(FALLBACK_SAMPLING)
+        chosen.update((k, v) for k, v in model_defaults.items() if k in FALLBACK_SAMPLING)
+        for name in FALLBACK_SAMPLING:
+            value = getattr(self, f"default_{name}")
+            if value is not None:
+                chosen[name] = value
+        return chosen
+
     def _validate(self) -> None:
+        self._validate_values()
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ConfigError(
+                f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}", option="device"
+            )
+        self._validate_sampling_defaults()
+
+    def _validate_sampling_defaults(self) -> None:
+        """Each ``default_*`` option must be a value its request field accepts."""
+        for name in FALLBACK_SAMPLING:
+            value = getattr(self, f"default_{name}")
+            if value is None:
+                continue
+            try:
+                SamplingParams(**{name: value})
+            except RequestError as e:
+                raise ConfigError(
+                    f"engine option default_{name}: {e.message}", option=f"default_{name}"
+                ) from None
+
+    def _validate_values(self) -> None:
         positives = (
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -103,33 +168,33 @@ class EngineConfig:
         for name in positives:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise RequestError(
-                    f"engine option {name} must be a positive int, got {value!r}", param=name
+                raise ConfigError(
+                    f"engine option {name} must be a positive int, got {value!r}", option=name
                 )
         if self.runner not in ("model", "echo"):
-            raise RequestError(
-                f"runner must be 'model' or 'echo', got {self.runner!r}", param="runner"
+            raise ConfigError(
+                f"runner must be 'model' or 'echo', got {self.runner!r}", option="runner"
             )
         for name, kinds in (("dtype", DTypeName), ("attention_backend", AttentionBackendName)):
             value = getattr(self, name)
             if value not in get_args(kinds):
-                raise RequestError(
+                raise ConfigError(
                     f"{name} must be one of {', '.join(get_args(kinds))}, got {value!r}",
-                    param=name,
+                    option=name,
                 )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise RequestError(
-                "gpu_memory_utilization must be in (0, 1]", param="gpu_memory_utilization"
+            raise ConfigError(
+                "gpu_memory_utilization must be in (0, 1]", option="gpu_memory_utilization"
             )
         if self.max_cuda_graph_batch_size is not None and self.max_cuda_graph_batch_size < 1:
-            raise RequestError(
-                "max_cuda_graph_batch_size must be >= 1", param="max_cuda_graph_batch_size"
+            raise ConfigError(
+                "max_cuda_graph_batch_size must be >= 1", option="max_cuda_graph_batch_size"
             )
         if self.num_threads is not None and self.num_threads < 1:
-            raise RequestError("num_threads must be >= 1", param="num_threads")
+            raise ConfigError("num_threads must be >= 1", option="num_threads")
         if not isinstance(self.cuda_graph_memory_bytes, int) or self.cuda_graph_memory_bytes < 0:
-            raise RequestError(
-                "cuda_graph_memory_bytes must be an int >= 0", param="cuda_graph_memory_bytes"
+            raise ConfigError(
+                "cuda_graph_memory_bytes must be an int >= 0", option="cuda_graph_memory_bytes"
             )
         if self.echo_step_s < 0:
-            raise RequestError("echo_step_s must be >= 0", param="echo_step_s")
+            raise ConfigError("echo_step_s must be >= 0", option="echo_step_s")

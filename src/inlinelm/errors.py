@@ -11,10 +11,15 @@ The hierarchy has three kinds, matching what a caller can do about each::
     │   └── SlowConsumerError        its reader fell too far behind
     ├── RequestError (ValueError)    the request itself is bad (HTTP 400)
     │   └── QueueFullError           admission refused it (HTTP 429)
+    ├── ConfigError (ValueError)     an engine option is unknown, invalid, or does not fit
+    │                                this machine (device, memory); names the option
     └── ModelLoadError (ValueError)  a model or its files cannot be loaded
 """
 
 from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
 
 
 class InlineLMError(Exception):
@@ -62,6 +67,16 @@ class QueueFullError(RequestError):
         self.retry_after_s = retry_after_s
 
 
+class ConfigError(InlineLMError, ValueError):
+    """An engine option is unknown or invalid, or the machine cannot honour it; ``option``
+    names it (the message says what to change)."""
+
+    def __init__(self, message: str, *, option: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.option = option
+
+
 class ModelLoadError(InlineLMError, ValueError):
     """A model cannot be loaded; names the file and, when known, the field."""
 
@@ -74,3 +89,9 @@ class ModelLoadError(InlineLMError, ValueError):
         super().__init__(" | ".join(parts))
         self.path = path
         self.field = field
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the choice closest to a misspelt ``name``, else ``""``."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""

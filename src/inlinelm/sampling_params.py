@@ -3,16 +3,43 @@
 from __future__ import annotations
 
 import enum
+import functools
 import math
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from inlinelm.errors import RequestError
+from inlinelm.errors import RequestError, did_you_mean
 
 _MAX_LOGPROBS = 20
 # What ``torch.Generator.manual_seed`` takes: an int64 or a uint64.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
+
+
+class _Unset:
+    """The default of a field the caller left to the engine."""
+
+    def __repr__(self) -> str:
+        return "<engine default>"
+
+
+UNSET: Any = _Unset()
+"""Default of the fields an engine fills from its sampling defaults (``ENGINE_DEFAULTED``)."""
+
+UNSET_VALUES: Mapping[str, Any] = {
+    "max_tokens": 16,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+"""What an unset field reads as outside an engine (the sampler and scheduler used alone)."""
+
+ENGINE_DEFAULTED = tuple(UNSET_VALUES)
+"""The fields an engine fills, when the caller leaves them unset, from the model's
+``generation_config.json`` and its ``default_*`` options."""
 
 
 class OutputKind(enum.Enum):
@@ -30,21 +57,30 @@ class SamplingParams:
     Invalid values raise :class:`~inlinelm.errors.RequestError` (a ``ValueError``) at
     construction, naming the field. ``temperature == 0`` means greedy decoding.
 
+    Engine defaults: ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
+    ``repetition_penalty`` (``ENGINE_DEFAULTED``) that the caller does not set are filled by
+    the engine at submit, from the model's ``generation_config.json`` and the engine's
+    ``default_*`` options (see :meth:`inlinelm.Engine.default_sampling_params`); values the
+    caller sets always win. :attr:`unset_fields` names the fields left to the engine; read
+    outside an engine they hold ``UNSET_VALUES`` (max_tokens 16, temperature 1.0, …).
+    ``max_tokens=None`` set explicitly means "up to the end of the context".
+
     Immutable: fields cannot be reassigned, and the list and dict fields are copies of what
     the caller passed, so nothing the caller still holds reaches the engine thread (the
-    engine also takes its own :meth:`copy` at submit). Use :meth:`with_overrides` to derive.
+    engine also takes its own :meth:`copy` at submit). Use :meth:`with_overrides` to derive
+    (``dataclasses.replace`` would mark every field as set).
     """
 
     n: int = 1
-    max_tokens: int | None = 16
+    max_tokens: int | None = UNSET
     min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    temperature: float = UNSET
+    top_p: float = UNSET
+    top_k: int = UNSET
+    min_p: float = UNSET
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = UNSET
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -57,9 +93,14 @@ class SamplingParams:
     output_kind: OutputKind = OutputKind.DELTA
     stream_interval: int | None = None
     priority: int = 0
+    _unset: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         # NOTE: frozen, so normalising goes through object.__setattr__; containers are copied.
+        unset = frozenset(name for name in ENGINE_DEFAULTED if getattr(self, name) is UNSET)
+        for name in unset:
+            object.__setattr__(self, name, UNSET_VALUES[name])
+        object.__setattr__(self, "_unset", unset)
         stop = [self.stop] if isinstance(self.stop, str) else _copy_list(self.stop, "stop")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(
@@ -77,17 +118,41 @@ class SamplingParams:
         """True when sampling reduces to argmax."""
         return self.temperature == 0.0 or self.top_k == 1
 
+    def __repr__(self) -> str:
+        shown = (
+            f"{name}={UNSET if name in self._unset else getattr(self, name)!r}"
+            for name in _init_names()
+        )
+        return f"SamplingParams({', '.join(shown)})"
+
+    @property
+    def unset_fields(self) -> frozenset[str]:
+        """The engine-defaulted fields the caller did not set (the engine fills them)."""
+        return self._unset
+
     def with_overrides(self, **overrides: Any) -> SamplingParams:
-        """A copy with some fields replaced (validated again)."""
-        unknown = set(overrides) - set(self.__dataclass_fields__)
+        """A copy with some fields replaced (validated again); fields left unset stay unset
+        unless overridden. An unknown name raises ``RequestError`` with a "did you mean"."""
+        names = _init_names()
+        unknown = sorted(set(overrides) - set(names))
         if unknown:
-            name = sorted(unknown)[0]
-            raise RequestError(f"unknown sampling parameter {name!r}", param=name)
-        return replace(self, **overrides)
+            name = unknown[0]
+            raise RequestError(
+                f"unknown sampling parameter {name!r}{did_you_mean(name, names)}", param=name
+            )
+        values = {name: getattr(self, name) for name in names if name not in self._unset}
+        values.update(overrides)
+        return SamplingParams(**values)
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """A copy whose unset fields take their value from ``defaults`` (the fields it names);
+        ``self`` when there is nothing to fill."""
+        fill = {name: defaults[name] for name in self._unset if name in defaults}
+        return self.with_overrides(**fill) if fill else self
 
     def copy(self) -> SamplingParams:
         """An independent copy (its lists and dict are new objects)."""
-        return replace(self)
+        return self.with_overrides()
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "must be an int in [1, 128]")
@@ -100,7 +165,9 @@ class SamplingParams:
             isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be >= 0"
         )
         _check(
-            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            self.max_tokens is None
+            or "max_tokens" in self._unset
+            or self.min_tokens <= self.max_tokens,
             "min_tokens",
             "must not exceed max_tokens",
         )
@@ -168,6 +235,11 @@ class SamplingParams:
             "must be a positive int or None",
         )
         _check(isinstance(self.priority, int), "priority", "must be an int")
+
+
+@functools.cache
+def _init_names() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(SamplingParams) if f.init)
 
 
 def _is_int(x: object) -> bool:

@@ -84,9 +84,18 @@ def test_chat_maps_every_sampling_field() -> None:
     assert request.stream and request.include_usage and request.logprobs and request.user == "me"
 
 
-def test_chat_defaults_run_to_the_context_end_and_want_the_final_output_only() -> None:
+def test_chat_defaults_leave_sampling_to_the_engine_and_want_the_final_output_only() -> None:
     request = parse_chat(chat(), LIMITS)
-    assert request.params.max_tokens is None
+    # NOTE: unset, not None (None runs to the context end): the engine gives it
+    # default_max_tokens, and the model's sampling defaults to the others.
+    assert request.params.unset_fields == {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+    }
     assert request.params.logprobs is None
     assert request.params.output_kind is OutputKind.FINAL_ONLY
     assert not request.stream and not request.include_usage
@@ -99,7 +108,10 @@ def test_max_completion_tokens_wins_over_max_tokens() -> None:
 
 def test_null_means_default() -> None:
     request = parse_chat(chat(temperature=None, tools=None, n=None, stop=None), LIMITS)
-    assert request.params.temperature == 1.0 and request.params.n == 1
+    assert "temperature" in request.params.unset_fields and request.params.n == 1
+    explicit = parse_chat(chat(temperature=1.0, max_tokens=5), LIMITS).params
+    assert not {"temperature", "max_tokens"} & explicit.unset_fields
+    assert parse_completion({"prompt": "x"}, LIMITS).params.max_tokens == 16  # OpenAI's
 
 
 def test_text_content_parts_are_joined() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from inlinelm import (
+    ConfigError,
     Engine,
     QueueFullError,
     QueueTimeoutError,
@@ -279,8 +280,8 @@ def test_engine_limits_on_n_and_logprobs_are_enforced_by_stream() -> None:
 
 
 def test_unknown_engine_options_are_refused_at_construction() -> None:
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ConfigError, match="did you mean 'max_queued_requests'") as info:
         Engine(runner="echo", max_queued_requestz=3)
-    assert info.value.param == "max_queued_requestz"
-    with pytest.raises(RequestError):
+    assert info.value.option == "max_queued_requestz"
+    with pytest.raises(ConfigError):
         Engine(runner="echo", stream_interval=0)

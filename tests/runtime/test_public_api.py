@@ -6,6 +6,7 @@ import inlinelm
 
 PUBLIC = [
     "CompletionOutput",
+    "ConfigError",
     "Engine",
     "EngineClosedError",
     "EngineConfig",
@@ -38,6 +39,7 @@ def test_every_public_name_resolves_and_has_a_docstring() -> None:
 
 def test_error_hierarchy() -> None:
     from inlinelm import (
+        ConfigError,
         EngineClosedError,
         EngineDeadError,
         InlineLMError,
@@ -58,6 +60,8 @@ def test_error_hierarchy() -> None:
     assert issubclass(RequestFailedError, InlineLMError)
     assert issubclass(QueueFullError, RequestError)
     assert issubclass(RequestError, ValueError)
+    assert issubclass(ConfigError, InlineLMError) and issubclass(ConfigError, ValueError)
+    assert not issubclass(ConfigError, RequestError)
     assert issubclass(ModelLoadError, ValueError)
     assert not issubclass(RequestFailedError, RequestError)
     assert not issubclass(EngineError, RequestError)

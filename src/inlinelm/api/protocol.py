@@ -4,6 +4,11 @@ Parsing happens before anything reaches the engine: a bad body, a field of the w
 an out-of-range value or a field inlinelm does not implement is a 400 (:class:`APIError`)
 naming the field. Range checks live in :class:`~inlinelm.SamplingParams`, whose
 ``RequestError`` is turned into the same 400 here, so each rule is written once.
+
+Sampling fields a body leaves out (or sends as ``null``) stay unset, so the engine gives
+them its defaults: the model's generation_config.json and the ``default_*`` engine options
+(a chat without ``max_tokens`` gets ``default_max_tokens``). A completions body without
+``max_tokens`` gets OpenAI's 16.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from starlette.requests import Request
 from inlinelm.api.errors import APIError, bad_request
 from inlinelm.api.fields import INT_MAX, Fields, check_text
 from inlinelm.errors import RequestError
-from inlinelm.sampling_params import OutputKind, SamplingParams
+from inlinelm.sampling_params import UNSET, OutputKind, SamplingParams
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_FANOUT = 256
@@ -187,7 +192,7 @@ def parse_detokenize(data: Any) -> list[int]:
 
 
 def _read_sampling(
-    fields: Fields, limits: Limits, *, max_tokens: int | None, stream: bool
+    fields: Fields, limits: Limits, *, max_tokens: Any, stream: bool
 ) -> dict[str, Any]:
     """The ``SamplingParams`` keyword arguments shared by chat and completions."""
     n = fields.read_int("n", 1)
@@ -198,13 +203,13 @@ def _read_sampling(
         "n": n,
         "max_tokens": max_tokens,
         "min_tokens": fields.read_int("min_tokens", 0),
-        "temperature": fields.read_float("temperature", 1.0),
-        "top_p": fields.read_float("top_p", 1.0),
-        "top_k": fields.read_int("top_k", 0),
-        "min_p": fields.read_float("min_p", 0.0),
+        "temperature": fields.read_float("temperature", UNSET),
+        "top_p": fields.read_float("top_p", UNSET),
+        "top_k": fields.read_int("top_k", UNSET),
+        "min_p": fields.read_float("min_p", UNSET),
         "presence_penalty": fields.read_float("presence_penalty", 0.0),
         "frequency_penalty": fields.read_float("frequency_penalty", 0.0),
-        "repetition_penalty": fields.read_float("repetition_penalty", 1.0),
+        "repetition_penalty": fields.read_float("repetition_penalty", UNSET),
         "seed": fields.read_int("seed", None),
         "stop": fields.read_stop("stop"),
         "stop_token_ids": fields.read_int_list("stop_token_ids"),
@@ -238,8 +243,9 @@ def _read_stream(fields: Fields) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _read_chat_max_tokens(fields: Fields) -> int | None:
-    """``max_completion_tokens`` wins over its deprecated alias ``max_tokens``; None = to the context end."""
+def _read_chat_max_tokens(fields: Fields) -> Any:
+    """``max_completion_tokens`` wins over its deprecated alias ``max_tokens``; neither
+    given: ``UNSET`` (the engine's ``default_max_tokens``)."""
     max_tokens = fields.read_int("max_tokens", None)
     max_completion = fields.read_int("max_completion_tokens", None)
     chosen, name = (
@@ -247,7 +253,9 @@ def _read_chat_max_tokens(fields: Fields) -> int | None:
         if max_completion is not None
         else (max_tokens, "max_tokens")
     )
-    if chosen is not None and chosen < 1:
+    if chosen is None:
+        return UNSET
+    if chosen < 1:
         raise bad_request(f"{name} must be a positive integer", name)
     return chosen
 

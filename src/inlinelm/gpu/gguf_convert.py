@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from inlinelm.errors import ModelLoadError
+from inlinelm.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +37,19 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# llama.cpp's recommended-sampling keys -> generation_config.json keys
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
 
 
 def convert_gguf(path: Path, out: Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer files of ``path`` into ``out``."""
+    """Write config.json, model.safetensors and the tokenizer files of ``path`` into ``out``,
+    and generation_config.json when the file recommends sampling values."""
     import gguf
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
@@ -57,6 +69,19 @@ def convert_gguf(path: Path, out: Path) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out))
+    generation = _sampling_fields(reader)
+    if generation:
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+
+
+def _sampling_fields(reader: object) -> dict[str, Any]:
+    """The ``general.sampling.*`` values of the file, under generation_config.json names."""
+    values: dict[str, Any] = {}
+    for key, name in _SAMPLING_KEYS.items():
+        field = reader.fields.get(key)  # type: ignore[attr-defined]
+        if field is not None and field.data:
+            values[name] = field.parts[field.data[0]].tolist()[0]
+    return values
 
 
 def _field_str(reader: object, key: str) -> str:
@@ -77,23 +102,26 @@ def _dequantize_all(
     items = list(reader.tensors)  # type: ignore[attr-defined]
     total = sum(int(t.n_bytes) for t in items)
     done = 0
-    for i, t in enumerate(items):
-        name = _hf_name(t.name, path)
-        array = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if permuted and name.endswith("q_proj.weight"):
-            array = _unpermute(array, num_heads)
-        elif permuted and name.endswith("k_proj.weight"):
-            array = _unpermute(array, num_kv_heads)
-        tensors[name] = torch.from_numpy(array.copy())
-        done += int(t.n_bytes)
-        if i % 40 == 0 or i == len(items) - 1:
-            logger.info(
-                "dequantized %d/%d tensors (%.1f/%.1f MiB)",
-                i + 1,
-                len(items),
-                done / 2**20,
-                total / 2**20,
-            )
+    desc = f"converting {path.name} (once)"
+    with progress_bar(total, desc, unit="B", unit_scale=True, unit_divisor=1024) as bar:
+        for i, t in enumerate(items):
+            name = _hf_name(t.name, path)
+            array = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            if permuted and name.endswith("q_proj.weight"):
+                array = _unpermute(array, num_heads)
+            elif permuted and name.endswith("k_proj.weight"):
+                array = _unpermute(array, num_kv_heads)
+            tensors[name] = torch.from_numpy(array.copy())
+            done += int(t.n_bytes)
+            bar.update(int(t.n_bytes))
+            if i % 40 == 0 or i == len(items) - 1:
+                logger.info(
+                    "dequantized %d/%d tensors (%.1f/%.1f MiB)",
+                    i + 1,
+                    len(items),
+                    done / 2**20,
+                    total / 2**20,
+                )
     return tensors
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from inlinelm.config import EngineConfig
-from inlinelm.errors import RequestError
+from inlinelm.errors import ConfigError, RequestError
 from inlinelm.gpu.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,11 @@ def kv_cache_spec(
     gpu_memory: GpuMemoryUse | None = None,
 ) -> KVCacheSpec:
     """Size the cache: explicit blocks, else a byte budget: ``kv_cache_bytes``, the GPU
-    budget when ``gpu_memory`` was measured, else the CPU default."""
+    budget when ``gpu_memory`` was measured, else the CPU default.
+
+    Raises :class:`~inlinelm.errors.ConfigError` (``option="max_model_len"``) when a byte
+    budget cannot hold one ``max_model_len`` sequence (explicit ``num_kv_blocks`` are
+    taken as given)."""
     per_block = bytes_per_block(cfg, config.block_size, dtype)
     if config.num_kv_blocks is not None:
         return KVCacheSpec(config.num_kv_blocks, config.block_size, per_block)
@@ -96,9 +100,24 @@ def kv_cache_spec(
         full_context = -(-max_model_len // config.block_size) * config.max_num_seqs * per_block
         budget = min(full_context, DEFAULT_KV_CACHE_BYTES_CAP)
     num_blocks = budget // per_block
-    if num_blocks < -(-max_model_len // config.block_size):
-        logger.warning("KV cache of %d blocks holds less than one full-length sequence", num_blocks)
+    _check_holds_one_sequence(num_blocks, config.block_size, max_model_len, budget)
     return KVCacheSpec(max(int(num_blocks), 2), config.block_size, per_block)
+
+
+def _check_holds_one_sequence(
+    num_blocks: int, block_size: int, max_model_len: int, budget: int
+) -> None:
+    """A byte budget must hold one sequence of ``max_model_len`` tokens, or a long request
+    could never finish; the error names the options that fix it."""
+    if num_blocks >= -(-max_model_len // block_size):
+        return
+    raise ConfigError(
+        f"the KV cache budget ({budget / 2**20:.0f} MiB: {num_blocks} blocks = "
+        f"{num_blocks * block_size} tokens) cannot hold one sequence of max_model_len="
+        f"{max_model_len} tokens; lower max_model_len, or raise kv_cache_bytes, "
+        "num_kv_blocks or gpu_memory_utilization",
+        option="max_model_len",
+    )
 
 
 def allocate_kv_cache(

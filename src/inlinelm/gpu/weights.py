@@ -7,6 +7,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ from inlinelm.gpu.llama import (
     onednn_packing_available,
 )
 from inlinelm.gpu.model_config import ModelConfig
+from inlinelm.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -93,30 +95,50 @@ def _destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def _load_files(folder: Path, cfg: ModelConfig, params: dict[str, torch.Tensor]) -> set[_Target]:
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     loaded: set[_Target] = set()
     files = sorted(folder.glob("*.safetensors"))
-    for i, path in enumerate(files):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    target = _target(name, cfg)
-                    if target is not None:
-                        _copy(f.get_tensor(name), target, params, cfg, path, name)
-                        loaded.add(target)
-        except SafetensorError as e:
-            raise ModelLoadError(
-                f"unreadable or truncated safetensors file ({e})", path=str(path)
-            ) from e
-        logger.info(
-            "loaded weight file %d/%d: %s (%.1f MiB)",
-            i + 1,
-            len(files),
-            path.name,
-            path.stat().st_size / 2**20,
-        )
+    total = sum(path.stat().st_size for path in files)
+    desc = f"loading {folder.name} weights"
+    with progress_bar(total, desc, unit="B", unit_scale=True, unit_divisor=1024) as bar:
+        for i, path in enumerate(files):
+            try:
+                num_bytes = _load_file(path, cfg, params, loaded, bar)
+            except SafetensorError as e:
+                raise ModelLoadError(
+                    f"unreadable or truncated safetensors file ({e})", path=str(path)
+                ) from e
+            bar.update(path.stat().st_size - num_bytes)  # the header and skipped tensors
+            logger.info(
+                "loaded weight file %d/%d: %s (%.1f MiB)",
+                i + 1,
+                len(files),
+                path.name,
+                path.stat().st_size / 2**20,
+            )
     return loaded
+
+
+def _load_file(
+    path: Path, cfg: ModelConfig, params: dict[str, torch.Tensor], loaded: set[_Target], bar: Any
+) -> int:
+    """Copy the tensors of one file into ``params`` (adding them to ``loaded``), advancing
+    ``bar`` by each tensor's bytes; returns the bytes counted."""
+    from safetensors import safe_open
+
+    num_bytes = 0
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            target = _target(name, cfg)
+            if target is not None:
+                tensor = f.get_tensor(name)
+                _copy(tensor, target, params, cfg, path, name)
+                loaded.add(target)
+                size = tensor.numel() * tensor.element_size()
+                bar.update(size)
+                num_bytes += size
+    return num_bytes
 
 
 def _target(name: str, cfg: ModelConfig) -> _Target | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from inlinelm.config import EngineConfig
@@ -47,6 +47,20 @@ class Admission:
     tokenizer: Any
     vocab_size: int
     max_model_len: int
+    # What a request's unset sampling fields take (EngineConfig.sampling_defaults).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+
+    def with_defaults(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """``params`` with its unset fields filled from ``sampling_defaults``; a default
+        ``max_tokens`` is cut to the room the prompt leaves (an explicit one is checked by
+        :meth:`check_lengths` instead)."""
+        if not params.unset_fields:
+            return params
+        defaults = self.sampling_defaults
+        if "max_tokens" in params.unset_fields and "max_tokens" in defaults:
+            room = max(1, self.max_model_len - num_prompt_tokens)
+            defaults = {**defaults, "max_tokens": min(defaults["max_tokens"], room)}
+        return params.with_defaults(defaults)
 
     def tokenize(
         self, prompt: str | list[int], add_special_tokens: bool, param: str = "prompt"

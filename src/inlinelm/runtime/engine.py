@@ -227,6 +227,13 @@ class Engine:
     ) -> RequestStream:
         """Start generating for ``prompt`` (text or token ids) and return its stream.
 
+        ``params`` (default: ``SamplingParams()``) with keyword ``overrides`` applied
+        (``engine.stream(prompt, max_tokens=64, temperature=0)``). Sampling fields the
+        caller leaves unset take the engine's defaults at submit: the model's
+        generation_config.json and the ``default_*`` options (see
+        :meth:`default_sampling_params`); an unset ``max_tokens`` is ``default_max_tokens``
+        (1024 unless the model or the option says otherwise), never the whole context.
+
         When the engine is started, validation, admission and the hand-over to the engine
         happen here, so ``RequestError``/``QueueFullError``/``EngineError`` raise at once;
         before that they raise from the first ``async for``/``await``.
@@ -285,24 +292,71 @@ class Engine:
             raise RequestError(f"cannot apply the chat template: {e}", param="messages") from e
         return str(text)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """The values this engine gives a request's unset sampling fields (max_tokens,
+        temperature, top_p, top_k, min_p, repetition_penalty): the ``default_*`` options
+        when set, else the model's generation_config.json, else ``FALLBACK_SAMPLING``.
+        An unset ``max_tokens`` is also cut to the room the prompt leaves in the context.
+        Available once started."""
+        return SamplingParams(**self._require_loaded().admission.sampling_defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | None = None,
         *,
         use_tqdm: bool = True,
+        **overrides: Any,
     ) -> list[RequestOutput]:
-        """Synchronous batch generation with a progress bar.
+        """Generate for one prompt or a list of them and wait: the sync :meth:`stream`.
+
+        ``prompts`` is a string, token ids, or a list of either; ``params`` and keyword
+        ``overrides`` work as in :meth:`stream` (unset fields take the engine's defaults,
+        see :meth:`default_sampling_params`). Returns one final ``RequestOutput`` per
+        prompt, in order. ``use_tqdm`` shows a progress bar on a terminal or in Jupyter.
 
         Works from a plain script, any thread, and inside a running event loop (a Jupyter
-        cell): it then runs on a private loop in a helper thread.
+        cell): it then runs on a private loop in a helper thread. In async code use
+        :meth:`stream` instead.
         """
-        batch = (
-            [prompts]
+        batch: list[Prompt] = (
+            [prompts]  # type: ignore[list-item]  # one prompt: text or token ids
             if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-            else list(prompts)
+            else list(prompts)  # type: ignore[arg-type]  # a list of prompts
         )
-        return run_sync(generate_all(self, batch, params, use_tqdm))  # type: ignore[arg-type]  # a bare prompt was wrapped above
+        request_params = _params(params, overrides)
+        return run_sync(
+            generate_all(self, batch, lambda prompt: self.stream(prompt, request_params), use_tqdm)
+        )
+
+    def generate_chat(
+        self,
+        conversations: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+        **overrides: Any,
+    ) -> list[RequestOutput]:
+        """Answer one conversation or a list of them and wait: the sync :meth:`chat`
+        (vLLM's ``LLM.chat``).
+
+        A conversation is a list of ``{"role": ..., "content": ...}`` messages; the model's
+        chat template is applied and the assistant turn opened. ``params`` and keyword
+        ``overrides`` work as in :meth:`stream`. Returns one final ``RequestOutput`` per
+        conversation, in order; runs from scripts, threads and Jupyter cells like
+        :meth:`generate`.
+        """
+        batch: list[Sequence[dict[str, Any]]] = (
+            [conversations]  # type: ignore[list-item]  # one conversation: messages
+            if conversations and isinstance(conversations[0], dict)
+            else list(conversations)  # type: ignore[arg-type]  # a list of conversations
+        )
+        request_params = _params(params, overrides)
+        return run_sync(
+            generate_all(
+                self, batch, lambda messages: self.chat(messages, request_params), use_tqdm
+            )
+        )
 
     # -- submission (event loop)
     # -----------------------------------------------------------
@@ -380,6 +434,7 @@ class Engine:
         """Admit a tokenized request and hand it to the engine thread (on the caller's loop)."""
         self._check_usable()
         admit_count(self.config, self._handle)
+        params = loaded.admission.with_defaults(params, len(prompt_ids))
         loaded.admission.check_lengths(prompt_ids, params, param)
         admit_tokens(self.config, self._handle, len(prompt_ids))
         loop = asyncio.get_running_loop()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from inlinelm.config import EngineConfig
+from inlinelm.errors import ConfigError
 from inlinelm.runtime.admission import Admission
 from inlinelm.runtime.engine_core import EngineCore
 from inlinelm.sampling_params import SamplingParams
@@ -59,6 +60,8 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
     )
     logger.info("tokenizer loaded in %.2f s", time.perf_counter() - start)
     eos = tokenizer.eos_token_id
+    defaults = config.sampling_defaults(files.generation)
+    logger.info("sampling defaults for unset request fields: %s", defaults)
     runner, max_model_len, vocab_size, overlaps = _build_runner(config, files.folder, eos)
     # NOTE: a runner that computes on the engine thread (the CPU model) gains nothing from
     # the pipelined loop, so it keeps the plain one.
@@ -75,9 +78,8 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
         runner.num_kv_blocks,
         config.block_size,
     )
-    return LoadedEngine(
-        core, tokenizer, max_model_len, eos, Admission(tokenizer, vocab_size, max_model_len)
-    )
+    admission = Admission(tokenizer, vocab_size, max_model_len, defaults)
+    return LoadedEngine(core, tokenizer, max_model_len, eos, admission)
 
 
 def _build_runner(
@@ -89,9 +91,33 @@ def _build_runner(
         return (*_build_echo_runner(config, folder, eos), True)
     from inlinelm.gpu.model_runner import ModelRunner
 
+    check_device(config.device)
     runner = ModelRunner(config, folder)
     runner.warmup()
     return runner, runner.max_model_len, runner.model_config.vocab_size, runner.overlaps
+
+
+def check_device(device: str) -> None:
+    """Refuse a CUDA device this torch cannot use, naming the devices it can."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    available = ", ".join(["cpu", *(f"cuda:{i}" for i in range(count))])
+    if count == 0:
+        build = "a CPU-only build" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ConfigError(
+            f"device={device!r}, but torch {torch.__version__} cannot use CUDA here ({build}); "
+            f"available: {available}",
+            option="device",
+        )
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        raise ConfigError(
+            f"device={device!r}, but only {count} CUDA device(s) are visible; available: {available}",
+            option="device",
+        )
 
 
 def _build_echo_runner(

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from inlinelm.progress import progress_bar
+
 if TYPE_CHECKING:
-    from inlinelm.runtime.engine import Engine, Prompt
+    from inlinelm.runtime.engine import Engine
     from inlinelm.runtime.outputs import RequestOutput
     from inlinelm.runtime.stream import RequestStream
-    from inlinelm.sampling_params import SamplingParams
 
 T = TypeVar("T")
+Item = TypeVar("Item")
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -22,9 +24,9 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     No ``nest_asyncio``: a running loop (Jupyter) is left alone and the coroutine gets a
     private loop; the engine delivers outputs to whichever loop submitted the request.
     """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
+    if not _loop_running():
+        # NOTE: outside the except block of _loop_running, so an error from ``coro`` is
+        # not chained to "no running event loop".
         return asyncio.run(coro)
     result: list[T] = []
     error: list[BaseException] = []
@@ -43,15 +45,25 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     return result[0]
 
 
-async def generate_all(
-    engine: Engine, prompts: list[Prompt], params: SamplingParams | None, use_tqdm: bool
-) -> list[RequestOutput]:
-    """Run ``prompts`` concurrently on ``engine``, with a progress bar; outputs in order."""
-    from tqdm.auto import tqdm
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
+
+async def generate_all(
+    engine: Engine,
+    items: Sequence[Item],
+    open_stream: Callable[[Item], RequestStream],
+    use_tqdm: bool,
+) -> list[RequestOutput]:
+    """Start the engine, open one stream per item and await them all concurrently, with a
+    progress bar (shown on a terminal or in Jupyter); outputs in the items' order."""
     await engine.start()
-    streams = [engine.stream(p, params) for p in prompts]
-    with tqdm(total=len(streams), disable=not use_tqdm, desc="generate") as bar:
+    streams = [open_stream(item) for item in items]
+    with progress_bar(len(streams), "generate", enabled=use_tqdm) as bar:
 
         async def one(stream: RequestStream) -> RequestOutput:
             out = await stream

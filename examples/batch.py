@@ -2,7 +2,7 @@
 
     python examples/batch.py
 
-No ``async`` needed: ``Engine.generate`` blocks until every answer is in (it also works
+No ``async`` needed: ``Engine.generate_chat`` blocks until every answer is in (it also works
 inside a running event loop, such as a Jupyter cell). ``INLINELM_EXAMPLE_RUNNER=echo``
 swaps the model for a scripted echo (tokenizer only).
 """
@@ -33,12 +33,12 @@ def main() -> None:
     questions = [task.format(word) for word in WORDS for task in TASKS]
     engine = Engine(model="default", runner=os.environ.get("INLINELM_EXAMPLE_RUNNER", "model"))
     try:
-        engine.start_sync()
-        # The chat template turns each question into the prompt the instruct model expects.
-        prompts = [engine.render_chat([{"role": "user", "content": q}]) for q in questions]
+        # One conversation per question: the chat template makes the prompt the instruct
+        # model expects. A tqdm progress bar shows on a terminal.
+        conversations = [[{"role": "user", "content": q}] for q in questions]
         params = SamplingParams(temperature=0.0, max_tokens=32)
         start = time.perf_counter()
-        outputs = engine.generate(prompts, params)  # a tqdm progress bar on stderr
+        outputs = engine.generate_chat(conversations, params)
         elapsed = time.perf_counter() - start
     finally:
         engine.close()

@@ -21,7 +21,14 @@ Reported, in µs per token per request (median of ``--repeats`` runs):
   some cost, so the instrumented total is also given); ``loop_wakeups`` is what is left:
   the loop's selector and self-pipe, task switches, the handler's drain and slicing.
 * floors measured in the same run: a bare ``DecodeStream.step``, a bare JSON encode of a
-  chunk, one asyncio wake-up of a task waiting on an ``asyncio.Event``.
+  chunk (the router's ``encode``, orjson; the stdlib encoder it replaced is shown beside it),
+  one asyncio wake-up of a task waiting on an ``asyncio.Event``.
+
+``--compare-encoders`` adds a side-by-side table: the same runs (no stop strings) with the
+router's SSE frames made by stdlib ``json`` (the code before orjson, kept here) and by
+orjson, alternated within each repeat, for the chat hot path (``TextFrame``: content chunks
+from a template) and for generic frames (every chunk a dict through ``encode``, as
+completions streams and streams with logprobs send them).
 
 Every run checks that each stream's text (joined from its SSE frames) equals a one-shot
 ``tokenizer.decode`` of its ids. Without and with stop strings (which never match but
@@ -42,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +79,8 @@ from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.output import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
 TARGET_US = 6.0
+ENCODERS = ("stdlib", "orjson")
+FRAME_PATHS = ("text", "generic")
 STAGES = (
     "detokenize",
     "release_text",
@@ -89,7 +99,7 @@ STAGE_HELP = {
     "process_other": "rest of process_outputs (state lookup, timing, finish)",
     "stream_iter": "consumer: RequestStream + event_stream generators, tally (output taken to next asked)",
     "chunk_build": "chat.completion.chunk dicts (_step_frames minus encode)",
-    "json_encode": "api.sse.encode (json.dumps)",
+    "json_encode": "api.sse.encode (orjson.dumps)",
     "sse_bytes": "sse-starlette ensure_bytes (data: ...\\n\\n)",
     "loop_wakeups": "the rest: selector, self-pipe, task switches, handler drain",
 }
@@ -175,6 +185,42 @@ def stages_from(timers: Timers, total_s: float, tokens: int) -> dict[str, float]
     return {k: v / tokens * 1e6 for k, v in parts.items()}
 
 
+# -- the stdlib JSON encoder the router used before orjson (for --compare-encoders) ----------
+
+_STDLIB_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+def stdlib_encode(payload: dict[str, Any]) -> bytes:
+    """``api.sse.encode`` as it was: the same bytes, but for floats under 1e-4."""
+    return _STDLIB_ENCODER.encode(payload).encode()
+
+
+def stdlib_render(self: sse.TextFrame, index: int, text: str, reason: str | None) -> bytes:
+    """``TextFrame.render`` as it was (stdlib string escaping, an f-string, one encode)."""
+    finish = "null" if reason is None else encode_basestring(reason)
+    body = (
+        f'{index},"delta":{{"content":{encode_basestring(text)}}},'
+        f'"logprobs":null,"finish_reason":{finish}}}'
+    )
+    return self.head + body.encode() + self.tail
+
+
+@contextlib.contextmanager
+def json_encoder(name: str) -> Iterator[None]:
+    """Make the router's SSE frames with ``name``'s JSON encoder for one run."""
+    if name == "orjson":
+        yield
+        return
+    saved_encode, saved_render = sse.encode, sse.TextFrame.render
+    sse.encode = stdlib_encode
+    sse.TextFrame.render = stdlib_render  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        sse.encode = saved_encode
+        sse.TextFrame.render = saved_render  # type: ignore[method-assign]
+
+
 # -- one run -------------------------------------------------------------------------------
 
 
@@ -196,9 +242,19 @@ def _never_submit() -> Any:
 
 
 async def run_once(
-    setup: Setup, batch: int, steps: int, *, stop: bool, timers: Timers | None
+    setup: Setup,
+    batch: int,
+    steps: int,
+    *,
+    stop: bool,
+    timers: Timers | None,
+    text_frames: bool = True,
 ) -> dict[str, float]:
-    """One run: register ``batch`` requests, post ``steps`` steps, return timings (seconds)."""
+    """One run: register ``batch`` requests, post ``steps`` steps, return timings (seconds).
+
+    Chat content chunks come from the router's ``TextFrame`` template, or with
+    ``text_frames=False`` as dicts through ``encode`` (completions, logprobs).
+    """
     engine, loaded, bridge = setup.engine, setup.loaded, setup.bridge
     setup.run_index += 1
     params = SamplingParams(max_tokens=steps, stop=list(STOPS) if stop else [])
@@ -247,7 +303,7 @@ async def run_once(
             sse.StreamTally(time.perf_counter()),
             lambda tally: None,
             # the router's own hot path for chat content chunks without logprobs
-            sse.TextFrame.for_chat(header, "chat.completion.chunk"),
+            sse.TextFrame.for_chat(header, "chat.completion.chunk") if text_frames else None,
         )
         out = frames[index]
         if timers is None:
@@ -334,18 +390,17 @@ def floor_decode_stream(setup: Setup, batch: int, steps: int) -> float:
     return (time.thread_time() - start) / (batch * steps) * 1e6
 
 
-def floor_json(setup: Setup, batch: int, steps: int, *, router: bool = False) -> float:
-    """µs per bare JSON encode of one ``chat.completion.chunk``.
+def floor_json(setup: Setup, batch: int, steps: int, *, encoder: str = "orjson") -> float:
+    """µs per bare JSON encode of one ``chat.completion.chunk``, to UTF-8 bytes.
 
-    The floor is a prepared ``json.JSONEncoder`` with the router's options (same bytes out);
-    with ``router`` it is the router's own ``encode`` (``json.dumps`` with options).
+    ``orjson`` is the router's own ``encode``; ``stdlib`` the prepared ``json.JSONEncoder``
+    it replaced (the same bytes for these chunks).
     """
     header = ResponseHeader(new_id("chatcmpl"), "default")
     fmt = ChatFormat(setup.texts, False)
     pieces = [setup.tokenizer.decode([t]) for t in setup.ids[0][:steps]]
     chunks = [header.chunk(fmt.chunk_object, [fmt.delta(0, p or " ", None)]) for p in pieces]
-    prepared = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
-    encode = sse.encode if router else prepared
+    encode = sse.encode if encoder == "orjson" else stdlib_encode
     assert encode(chunks[0]) == sse.encode(chunks[0])
     rounds = batch
     start = time.thread_time()
@@ -433,20 +488,21 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                         }
                     )
         floors_runs: dict[str, list[float]] = {"decode_stream": [], "json_encode": [], "wakeup": []}
-        router_encode: list[float] = []
+        stdlib_floor: list[float] = []
         fb = max(args.batch)
         for _ in range(args.repeats):
             floors_runs["decode_stream"].append(floor_decode_stream(setup, fb, steps))
             floors_runs["json_encode"].append(floor_json(setup, fb, steps))
             floors_runs["wakeup"].append(await floor_wakeup(fb, steps))
-            router_encode.append(floor_json(setup, fb, steps, router=True))
+            stdlib_floor.append(floor_json(setup, fb, steps, encoder="stdlib"))
+        comparison = await compare_encoders(setup, args) if args.compare_encoders else None
         stats = engine.stats()
     finally:
         await engine.aclose()
 
     floors = {f"{k}_us": median(v) for k, v in floors_runs.items()}
     floors["sum_us"] = sum(floors.values())
-    floors["router_encode_us"] = median(router_encode)  # not a floor: api.sse.encode as it is
+    floors["stdlib_encode_us"] = median(stdlib_floor)  # not a floor: the encoder orjson replaced
     results: dict[str, Any] = {}
     for b in args.batch:
         entry: dict[str, Any] = {}
@@ -478,7 +534,45 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "num_merged_outputs": stats["num_merged_outputs"],
         "num_coalesced_steps": stats["num_coalesced_steps"],
         "results": results,
+        "encoder_comparison": comparison,
     }
+
+
+async def compare_encoders(setup: Setup, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """µs/token with stdlib JSON and with orjson, alternated run by run (no stop strings)."""
+    runs: dict[tuple[int, str, str], list[float]] = {}
+    for _ in range(args.repeats):
+        for b in args.batch:
+            for path in FRAME_PATHS:
+                for encoder in ENCODERS:
+                    with json_encoder(encoder):
+                        t = await run_once(
+                            setup,
+                            b,
+                            args.steps,
+                            stop=False,
+                            timers=None,
+                            text_frames=path == "text",
+                        )
+                    runs.setdefault((b, path, encoder), []).append(
+                        t["cpu_s"] / (b * args.steps) * 1e6
+                    )
+    rows = []
+    for b in args.batch:
+        for path in FRAME_PATHS:
+            stdlib, fast = runs[(b, path, "stdlib")], runs[(b, path, "orjson")]
+            rows.append(
+                {
+                    "batch": b,
+                    "frames": path,
+                    "stdlib_us_per_token": median(stdlib),
+                    "orjson_us_per_token": median(fast),
+                    "ratio": median(stdlib) / median(fast),
+                    "stdlib_runs_us": [round(v, 3) for v in stdlib],
+                    "orjson_runs_us": [round(v, 3) for v in fast],
+                }
+            )
+    return rows
 
 
 def print_tables(report: dict[str, Any]) -> None:
@@ -490,8 +584,8 @@ def print_tables(report: dict[str, Any]) -> None:
     print(
         f"floors: DecodeStream.step {floors['decode_stream_us']:.2f} µs, chunk JSON encode "
         f"{floors['json_encode_us']:.2f} µs, asyncio wake-up {floors['wakeup_us']:.2f} µs, "
-        f"sum {floors['sum_us']:.2f} µs (the router's encode, json.dumps with options: "
-        f"{floors['router_encode_us']:.2f} µs)"
+        f"sum {floors['sum_us']:.2f} µs (the same chunk with stdlib json: "
+        f"{floors['stdlib_encode_us']:.2f} µs)"
     )
     print(
         f"coalescing during the runs (must be 0): merged outputs {report['num_merged_outputs']}, "
@@ -516,6 +610,25 @@ def print_tables(report: dict[str, Any]) -> None:
             print(f"{b:>4} {stop:>4} " + " ".join(f"{v:>12.2f}" for v in row))
     for stage, text in STAGE_HELP.items():
         print(f"  {stage}: {text}")
+    if report["encoder_comparison"]:
+        print_encoder_comparison(report)
+
+
+def print_encoder_comparison(report: dict[str, Any]) -> None:
+    print(
+        f"\nSSE frames' JSON: stdlib json vs orjson, event-loop CPU µs per token, median of "
+        f"{report['repeats']} alternated runs, no stop strings"
+    )
+    print(f"{'B':>4} {'frames':>8} {'stdlib':>8} {'orjson':>8} {'stdlib/orjson':>13}")
+    for r in report["encoder_comparison"]:
+        print(
+            f"{r['batch']:>4} {r['frames']:>8} {r['stdlib_us_per_token']:>8.2f} "
+            f"{r['orjson_us_per_token']:>8.2f} {r['ratio']:>12.2f}x"
+        )
+    print(
+        "  frames: text = chat content chunks from the router's template (TextFrame), the "
+        "default chat path; generic = every chunk a dict through encode (completions, logprobs)"
+    )
 
 
 def plot(report: dict[str, Any]) -> None:
@@ -558,6 +671,11 @@ def main() -> None:
     parser.add_argument("--instrumented-repeats", type=int, default=2)
     parser.add_argument("--model", default="default")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument(
+        "--compare-encoders",
+        action="store_true",
+        help="also run stdlib json and orjson side by side (the SSE frames' JSON)",
+    )
     args = parser.parse_args()
     report = asyncio.run(bench(args))
     print_tables(report)

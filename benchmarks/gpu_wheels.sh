@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Download, on a CPU machine with network, the wheels the GPU check installs on a device
 # that has none: FlashInfer (pure Python, JIT-compiled there) and its ABI package, and the
-# HTTP stack the router needs (absent from the device image). cp312 x86-64, no deps: the
+# HTTP stack the router needs (absent from the device image; orjson frames its SSE, uvloop
+# and httptools are what inlinelm serve runs). cp312 x86-64, no deps: the
 # image already has torch, numpy, ninja, click, h11, anyio, httpx, prometheus-client
 # (see /work/shared/notes/gpu.md §1 for why 0.6.13 and what else FlashInfer needs).
 #
@@ -21,6 +22,9 @@ WHEELS=(
     sse-starlette==3.7.0
     uvicorn==0.54.0
     anyio==4.16.0
+    orjson==3.13.0
+    uvloop==0.23.0
+    httptools==0.9.0
 )
 mkdir -p "$DEST"
 # NOTE: one version of each package only: two wheels of one name stop the whole install.

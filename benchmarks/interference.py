@@ -22,8 +22,14 @@ Per B (1, 32, 128, 256 by default), for each engine-thread loop in the same run 
 
 The first B with over 1% of its outputs merged is where the frontend starts coalescing; an
 "alone" column gives the same engine thread's stretch with no frontend at all. ``--switch-interval``
-can repeat everything under other ``sys.setswitchinterval`` values. Prints a table, writes
-``--json PATH`` and benchmarks/results/interference.png.
+can repeat everything under other ``sys.setswitchinterval`` values.
+
+``--stack`` names the serving stacks, event loop + uvicorn's HTTP parser: ``uvloop+httptools``
+(what ``inlinelm serve`` runs, the default) and ``asyncio+h11`` (uvicorn's pure-Python
+stack, what it ran before), or the mixed two. Several stacks run side by side in one
+invocation, each wave set on a fresh engine and loop, alternated ``--repeats`` times, and a
+comparison table gives the medians. Prints tables, writes ``--json PATH`` and
+benchmarks/results/interference.png.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from _common import (
 )
 
 STEP_S = 0.0045
+STACKS = ("asyncio+h11", "asyncio+httptools", "uvloop+h11", "uvloop+httptools")
 TARGET_STRETCH = 1.10
 CONTENT = b'"delta":{"content":'
 COALESCING_SHARE = 0.01
@@ -318,17 +325,32 @@ def free_socket() -> socket.socket:
     return sock
 
 
-async def serve_and_measure(args: argparse.Namespace) -> dict[str, Any]:
-    recorder = StepRecorder()
-    recorder.install()
+def run_stack(args: argparse.Namespace, stack: str, recorder: StepRecorder) -> list[dict[str, Any]]:
+    """Every wave of every engine-thread loop, served by ``stack`` ("LOOP+HTTP")."""
+    event_loop, http = stack.split("+")
+    coro = serve_and_measure(args, http, recorder)
+    if event_loop == "uvloop":
+        import uvloop
+
+        rows = uvloop.run(coro)
+    else:
+        rows = asyncio.run(coro)
+    for row in rows:
+        row["stack"] = stack
+    return rows
+
+
+async def serve_and_measure(
+    args: argparse.Namespace, http: str, recorder: StepRecorder
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for loop in args.loop:
-        rows.extend(await serve_and_measure_loop(args, loop, recorder))
-    return {"rows": rows}
+        rows.extend(await serve_and_measure_loop(args, loop, http, recorder))
+    return rows
 
 
 async def serve_and_measure_loop(
-    args: argparse.Namespace, loop: str, recorder: StepRecorder
+    args: argparse.Namespace, loop: str, http: str, recorder: StepRecorder
 ) -> list[dict[str, Any]]:
     """Every wave against one engine whose thread runs the ``loop`` ("pipelined" or "plain")."""
     import uvicorn
@@ -355,7 +377,7 @@ async def serve_and_measure_loop(
         access_log=False,
         lifespan="on",
         timeout_keep_alive=5,
-        http=args.http,
+        http=http,
     )
     server = uvicorn.Server(config)
     server_task = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -401,7 +423,8 @@ async def serve_and_measure_loop(
                 rows[-1]["loop_busy"] = loop_cpu / client["wall_s"]
                 r = rows[-1]
                 print(
-                    f"  {loop} B={batch:<4} switch={interval * 1e3:g} ms: stretch {r.get('stretch', float('nan')):.3f}, "
+                    f"  {type(asyncio.get_running_loop()).__module__} http={http} "
+                    f"{loop} B={batch:<4} switch={interval * 1e3:g} ms: stretch {r.get('stretch', float('nan')):.3f}, "
                     f"merged {r['merged_outputs']}, complete {r['complete_streams']}/{batch}",
                     flush=True,
                 )
@@ -463,23 +486,23 @@ def summarize(
 def print_table(report: dict[str, Any]) -> None:
     print(
         f"interference: echo step {STEP_S * 1e3} ms, {report['max_tokens']} tokens per stream, "
-        f"uvicorn http={report['http']}{' on uvloop' if report['uvloop'] else ''}, "
+        f"stacks {', '.join(report['stacks'])}, {report['repeats']} run(s) each, "
         f"load average {report['load_average']}"
     )
     cols = (
-        f"{'loop':>9} {'B':>4} {'switch':>6} {'alone':>6} {'period p50':>10} {'p99':>6} {'stretch':>7} {'eng cpu':>7} "
+        f"{'stack':>17} {'loop':>9} {'B':>4} {'switch':>6} {'alone':>6} {'period p50':>10} {'p99':>6} {'stretch':>7} {'eng cpu':>7} "
         f"{'over':>6} {'ITL p50':>7} {'p99':>6} {'TTFT p50':>8} {'merged':>7} {'coal.st':>7} "
         f"{'lag mean':>8} {'lag p99<=':>9} {'loop µs':>8} {'busy':>5} {'done':>5}"
     )
     print(cols)
     print(
-        f"{'':>9} {'':>4} {'ms':>6} {'strch':>6} {'ms':>10} {'ms':>6} {'':>7} {'ms':>7} {'ms':>6} {'ms':>7} {'ms':>6} "
+        f"{'':>17} {'':>9} {'':>4} {'ms':>6} {'strch':>6} {'ms':>10} {'ms':>6} {'':>7} {'ms':>7} {'ms':>6} {'ms':>7} {'ms':>6} "
         f"{'ms':>8} {'':>7} {'':>7} {'ms':>8} {'ms':>9} {'/frame':>8}"
     )
     for r in report["rows"]:
         lag = r["loop_lag"]
         print(
-            f"{r['loop']:>9} {r['batch']:>4} {r['switch_interval_ms']:>6g} {r['alone'].get('stretch', float('nan')):>6.3f} "
+            f"{r['stack']:>17} {r['loop']:>9} {r['batch']:>4} {r['switch_interval_ms']:>6g} {r['alone'].get('stretch', float('nan')):>6.3f} "
             f"{r.get('period_ms_p50', float('nan')):>10.2f} "
             f"{r.get('period_ms_p99', float('nan')):>6.2f} {r.get('stretch', float('nan')):>7.3f} "
             f"{r.get('engine_cpu_ms_per_step', float('nan')):>7.2f} {r.get('over_ms_per_step', float('nan')):>6.2f} "
@@ -498,6 +521,64 @@ def print_table(report: dict[str, Any]) -> None:
         "period - 4.5 ms; ITL per client socket read; "
         "loop µs/frame = event-loop thread CPU per content frame sent, busy = its CPU / wall"
     )
+    if len(report["stacks"]) > 1:
+        print_stack_comparison(report)
+
+
+STACK_METRICS = (
+    ("lag mean ms", lambda r: r["loop_lag"].get("mean_ms", 0.0)),
+    ("lag p99<= ms", lambda r: r["loop_lag"].get("p99_le_ms", 0.0)),
+    ("stretch", lambda r: r.get("stretch", float("nan"))),
+    ("ITL p50 ms", lambda r: r["itl_ms_p50"]),
+    ("ITL p99 ms", lambda r: r["itl_ms_p99"]),
+    ("TTFT p50 ms", lambda r: r["ttft_ms_p50"]),
+    ("loop µs/frame", lambda r: r["loop_cpu_us_per_frame"]),
+    ("busy", lambda r: r["loop_busy"]),
+    ("merged", lambda r: r["merged_outputs"]),
+)
+
+
+def stack_comparison(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per engine loop, B and stack: the median of each metric over the alternated runs."""
+    groups: dict[tuple[str, float, int, str], list[dict[str, Any]]] = {}
+    for r in report["rows"]:
+        key = (r["loop"], r["switch_interval_ms"], r["batch"], r["stack"])
+        groups.setdefault(key, []).append(r)
+    return [
+        {
+            "loop": loop,
+            "switch_interval_ms": interval,
+            "batch": batch,
+            "stack": stack,
+            "runs": len(rows),
+            **{name: median([fn(r) for r in rows]) for name, fn in STACK_METRICS},
+        }
+        for (loop, interval, batch, stack), rows in groups.items()
+    ]
+
+
+def print_stack_comparison(report: dict[str, Any]) -> None:
+    first, last = report["stacks"][0], report["stacks"][-1]
+    print(
+        f"\nserving stacks side by side, median of {report['repeats']} alternated runs "
+        f"(ratio: {first} / {last})"
+    )
+    print(
+        f"{'loop':>9} {'B':>4} {'stack':>17} "
+        + " ".join(f"{name:>13}" for name, _ in STACK_METRICS)
+    )
+    rows = report["stack_comparison"]
+    by_key = {(r["loop"], r["switch_interval_ms"], r["batch"], r["stack"]): r for r in rows}
+    for r in rows:
+        print(
+            f"{r['loop']:>9} {r['batch']:>4} {r['stack']:>17} "
+            + " ".join(f"{r[name]:>13.3g}" for name, _ in STACK_METRICS)
+        )
+        if r["stack"] == last:
+            base = by_key.get((r["loop"], r["switch_interval_ms"], r["batch"], first))
+            if base is not None:
+                ratios = [base[n] / r[n] if r[n] else float("nan") for n, _ in STACK_METRICS]
+                print(f"{'':>9} {'':>4} {'ratio':>17} " + " ".join(f"{x:>12.2f}x" for x in ratios))
 
 
 def plot(report: dict[str, Any]) -> None:
@@ -507,7 +588,8 @@ def plot(report: dict[str, Any]) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     by_series: dict[str, list[dict[str, Any]]] = {}
     for r in report["rows"]:
-        by_series.setdefault(series_name(r), []).append(r)
+        if r["repeat"] == 0:
+            by_series.setdefault(series_name(r), []).append(r)
     for name, rows in by_series.items():
         bs = [r["batch"] for r in rows]
         ax1.plot(bs, [r.get("stretch", float("nan")) for r in rows], "o-", label=name)
@@ -538,7 +620,7 @@ def plot(report: dict[str, Any]) -> None:
 
 
 def series_name(row: dict[str, Any]) -> str:
-    return f"{row['loop']}, switch {row['switch_interval_ms']:g} ms"
+    return f"{row['stack']}, {row['loop']}, switch {row['switch_interval_ms']:g} ms"
 
 
 def main() -> None:
@@ -563,25 +645,34 @@ def main() -> None:
     )
     parser.add_argument("--model", default="default")
     parser.add_argument(
-        "--http", default="auto", choices=["auto", "h11", "httptools"], help="uvicorn's HTTP"
+        "--stack",
+        nargs="+",
+        default=["uvloop+httptools"],
+        choices=STACKS,
+        help="serving stacks (event loop + uvicorn's HTTP) to measure, side by side",
     )
-    parser.add_argument("--uvloop", action="store_true", help="serve on uvloop (if installed)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="alternated runs of every stack (medians)"
+    )
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
     logging.getLogger("inlinelm").setLevel(logging.WARNING)
     # NOTE: a lagging reader logs a warning per request; the merged count says the same.
     logging.getLogger("inlinelm.runtime.collector").setLevel(logging.ERROR)
     threading.current_thread().name = "event-loop"
-    if args.uvloop:
-        import uvloop
-
-        result = uvloop.run(serve_and_measure(args))
-    else:
-        result = asyncio.run(serve_and_measure(args))
+    recorder = StepRecorder()
+    recorder.install()
+    all_rows: list[dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        for stack in args.stack:
+            for row in run_stack(args, stack, recorder):
+                row["repeat"] = repeat
+                all_rows.append(row)
     coalescing: dict[str, Any] = {}
     by_series: dict[str, list[dict[str, Any]]] = {}
-    for r in result["rows"]:
-        by_series.setdefault(series_name(r), []).append(r)
+    for r in all_rows:
+        if r["repeat"] == 0:
+            by_series.setdefault(series_name(r), []).append(r)
     for name, rows in by_series.items():
         first = next(
             (
@@ -593,15 +684,16 @@ def main() -> None:
         )
         coalescing[name] = first
     report = {
-        "http": args.http,
-        "uvloop": args.uvloop,
+        "stacks": args.stack,
+        "repeats": args.repeats,
         "step_ms": STEP_S * 1e3,
         "max_tokens": args.max_tokens,
         "target_stretch": TARGET_STRETCH,
         "load_average": load_average(),
         "coalescing_starts_at": coalescing,
-        **result,
+        "rows": all_rows,
     }
+    report["stack_comparison"] = stack_comparison(report)
     print_table(report)
     write_json(args.json, report)
     if not args.no_plot:

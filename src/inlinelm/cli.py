@@ -213,6 +213,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from inlinelm.api import create_app
+    from inlinelm.api.app import uvicorn_options
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -225,7 +226,8 @@ def serve(args: argparse.Namespace) -> int:
         max_fanout=args.max_fanout,
         api_key=api_key(args, os.environ),
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # NOTE: uvloop and httptools: the loop keeps up with hundreds of streams (benchmarks/README.md).
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **uvicorn_options())
     return 0
 
 

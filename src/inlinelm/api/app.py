@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Literal, TypedDict
 
 from starlette.applications import Starlette
 
@@ -12,6 +15,15 @@ from inlinelm.api.protocol import DEFAULT_MAX_FANOUT, DEFAULT_MAX_REQUEST_BYTES
 from inlinelm.api.router import DEFAULT_SSE_PING_S, openai_router
 from inlinelm.config import EngineConfig
 from inlinelm.runtime.engine import Engine
+
+logger = logging.getLogger("inlinelm.api")
+
+
+class UvicornOptions(TypedDict):
+    """The event loop and HTTP parser to pass to ``uvicorn.run`` / ``uvicorn.Config``."""
+
+    loop: Literal["uvloop", "asyncio"]
+    http: Literal["httptools", "h11"]
 
 
 def create_app(
@@ -29,6 +41,15 @@ def create_app(
     over. Either way the app's lifespan starts the engine before the first request and
     closes it on shutdown; the engine is ``app.state.engine``. The keyword options are
     :func:`~inlinelm.api.openai_router`'s.
+
+    The event loop and HTTP parser are the server's choice. ``inlinelm serve`` runs uvloop
+    and httptools (both come with inlinelm, through ``uvicorn[standard]``): with 256
+    streaming clients they cut the loop's lag behind the engine several times over
+    (``benchmarks/README.md``). Under your own server, get the same with
+    ``uvicorn.run(app, loop="uvloop", http="httptools")``, ``uvicorn --loop uvloop --http
+    httptools module:app`` (uvicorn's ``auto`` picks both when installed), or
+    ``hypercorn --worker-class uvloop module:app`` (hypercorn parses HTTP with h11). Mounted
+    in an app that already runs, the engine uses the running loop, asyncio's or uvloop's.
     """
     engine = engine_or_config if isinstance(engine_or_config, Engine) else Engine(engine_or_config)
 
@@ -51,3 +72,29 @@ def create_app(
     app = Starlette(routes=[chat_page_route(), *router.routes], lifespan=lifespan)
     app.state.engine = engine
     return app
+
+
+def uvicorn_options() -> UvicornOptions:
+    """uvicorn's ``loop`` and ``http`` for ``inlinelm serve``: ``uvloop`` and ``httptools``.
+
+    Either one that does not import falls back to uvicorn's pure-Python choice
+    (``asyncio``, ``h11``), with a warning: the server works, only slower under load.
+    """
+    return {
+        "loop": "uvloop" if _imports("uvloop", "loop=asyncio") else "asyncio",
+        "http": "httptools" if _imports("httptools", "http=h11") else "h11",
+    }
+
+
+def _imports(module: str, fallback: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        logger.warning(
+            "%s does not import; serving with uvicorn's %s, slower with many streams "
+            "(pip install 'uvicorn[standard]')",
+            module,
+            fallback,
+        )
+        return False
+    return True

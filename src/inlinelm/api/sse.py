@@ -18,7 +18,6 @@ The generator aborts its engine requests in its ``finally``, and
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Sequence
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
+import orjson
 from sse_starlette.sse import EventSourceResponse
 from starlette.types import Message, Receive, Scope, Send
 
@@ -40,14 +40,14 @@ from inlinelm.sched.output import TokenLogprobs
 logger = logging.getLogger("inlinelm.api")
 
 DONE = "[DONE]"
-# NOTE: one encoder for the process; json.dumps(**options) builds a new one per call.
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-_encode_text = json.encoder.encode_basestring  # the string form _ENCODER writes
 
 
-def frame(payload: str) -> bytes:
-    """One SSE event carrying ``payload`` as its data, ready for the socket."""
-    return b"data: " + payload.encode() + b"\n\n"
+def frame(payload: bytes) -> bytes:
+    """One SSE event carrying ``payload`` (UTF-8 JSON, or ``[DONE]``) as its data."""
+    return b"data: " + payload + b"\n\n"
+
+
+_DONE_FRAME = frame(DONE.encode())
 
 
 class OutputStream(Protocol):
@@ -115,9 +115,15 @@ class StreamPlan:
     text_frame: TextFrame | None = None
 
 
-def encode(payload: dict[str, Any]) -> str:
-    """One frame's data: compact JSON, UTF-8 kept as is (as OpenAI sends it)."""
-    return _ENCODER.encode(payload)
+def encode(payload: dict[str, Any]) -> bytes:
+    """One frame's data: compact UTF-8 JSON, non-ASCII kept as is (as OpenAI sends it).
+
+    orjson writes the bytes ``json.dumps(payload, ensure_ascii=False, separators=(",", ":"))``
+    would, but for floats under 1e-4, which it writes without an exponent (``0.000012`` for
+    ``1.2e-05``: the same number to any JSON parser), and NaN/infinity, which it writes as
+    ``null`` (stdlib JSON writes ``NaN``, which is not JSON). A test pins both.
+    """
+    return orjson.dumps(payload)
 
 
 async def event_stream(streams: Sequence[OutputStream], plan: StreamPlan) -> AsyncIterator[bytes]:
@@ -157,7 +163,7 @@ async def event_stream(streams: Sequence[OutputStream], plan: StreamPlan) -> Asy
                 yield frame(encode(usage))
         except Exception as exc:
             yield frame(_error_frame(exc, tally))
-        yield frame(DONE)
+        yield _DONE_FRAME
     finally:
         # NOTE: shielded, because a cancelled task group re-raises on every await, and an
         # abort that never reaches the engine would pin the request's KV blocks.
@@ -222,7 +228,7 @@ def _step_frames(
     return data, has_text
 
 
-def _error_frame(exc: Exception, tally: StreamTally) -> str:
+def _error_frame(exc: Exception, tally: StreamTally) -> bytes:
     error = from_exception(exc)
     if not isinstance(exc, (RequestFailedError, EngineError)):
         logger.exception("stream failed after the response started")
@@ -278,7 +284,6 @@ class TextFrame:
     """
 
     head: bytes
-    middle: str
     tail: bytes
 
     @classmethod
@@ -286,19 +291,16 @@ class TextFrame:
         """The template of ``chat.completion.chunk`` content frames of one request."""
         marker = "\x00"
         sample = encode(header.chunk(object_name, [{"index": 0, "delta": {"content": marker}}]))
-        head, tail = sample.split('{"index":0,"delta":{"content":"\\u0000"}}')
-        return cls(
-            b"data: " + head.encode() + b'{"index":',
-            ',"delta":{"content":',
-            tail.encode() + b"\n\n",
-        )
+        head, tail = sample.split(b'{"index":0,"delta":{"content":"\\u0000"}}')
+        return cls(b"data: " + head + b'{"index":', tail + b"\n\n")
 
     def render(self, index: int, text: str, reason: str | None) -> bytes:
-        finish = "null" if reason is None else _encode_text(reason)
-        body = (
-            f'{index}{self.middle}{_encode_text(text)}}},"logprobs":null,"finish_reason":{finish}}}'
-        )
-        return self.head + body.encode() + self.tail
+        finish = b"null" if reason is None else orjson.dumps(reason)
+        # NOTE: one %-format of bytes: fewer temporaries than f-string, encode and concat.
+        return _TEXT_FRAME % (self.head, index, orjson.dumps(text), finish, self.tail)
+
+
+_TEXT_FRAME = b'%s%d,"delta":{"content":%s},"logprobs":null,"finish_reason":%s}%s'
 
 
 class EventStreamResponse(EventSourceResponse):

@@ -140,7 +140,8 @@ INSTALL=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-di
 if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
     # A rehearsal on another Python: unpack the cp312 wheels to prove them, import none.
     INSTALL+=(--python-version 3.12 --implementation cp --abi cp312 --only-binary=:all:
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform any)
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)
     CROSS=1
 fi
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then

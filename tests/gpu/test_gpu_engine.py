@@ -159,6 +159,19 @@ def test_greedy_is_the_same_in_every_mode_and_equals_transformers(
             assert_same_greedy(greedy, results["eager"], margin, f"{dtype} {mode} vs eager")
 
 
+def serving_engine(folder: Path) -> Engine:
+    """A bf16 CUDA engine sized for 256 concurrent streams."""
+    return Engine(
+        model=str(folder),
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend="auto",
+        max_num_seqs=256,
+        max_model_len=1024,
+        num_kv_blocks=2048,
+    )
+
+
 def test_256_streams_through_the_runtime_on_cuda(smollm2_dir: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -171,15 +184,7 @@ def test_256_streams_through_the_runtime_on_cuda(smollm2_dir: Path) -> None:
         return text, ids, reason
 
     async def main() -> None:
-        async with Engine(
-            model=str(smollm2_dir),
-            device="cuda",
-            dtype="bfloat16",
-            attention_backend="auto",
-            max_num_seqs=256,
-            max_model_len=1024,
-            num_kv_blocks=2048,
-        ) as eng:
+        async with serving_engine(smollm2_dir) as eng:
             results = await asyncio.gather(*(one(eng, i) for i in range(256)))
             for text, ids, reason in results:
                 assert len(ids) == 24 and reason == "length"
@@ -219,15 +224,7 @@ def test_256_sse_streams_through_the_router_on_cuda(smollm2_dir: Path) -> None:
         return chunks, reason, done
 
     async def main() -> None:
-        async with Engine(
-            model=str(smollm2_dir),
-            device="cuda",
-            dtype="bfloat16",
-            attention_backend="auto",
-            max_num_seqs=256,
-            max_model_len=1024,
-            num_kv_blocks=2048,
-        ) as eng:
+        async with serving_engine(smollm2_dir) as eng:
             transport = httpx.ASGITransport(app=openai_router(eng, model_name="default"))
             async with httpx.AsyncClient(
                 transport=transport, base_url="http://gpu", timeout=120

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from inlinelm.errors import RequestError, did_you_mean
+from inlinelm.structured.spec import StructuredOutput
 
 _MAX_LOGPROBS = 20
 # What ``torch.Generator.manual_seed`` takes: an int64 or a uint64.
@@ -93,6 +94,8 @@ class SamplingParams:
     output_kind: OutputKind = OutputKind.DELTA
     stream_interval: int | None = None
     priority: int = 0
+    # Constrain the output (JSON Schema, JSON object, regex, choice, grammar).
+    structured: StructuredOutput | None = None
     _unset: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -235,6 +238,11 @@ class SamplingParams:
             "must be a positive int or None",
         )
         _check(isinstance(self.priority, int), "priority", "must be an int")
+        _check(
+            self.structured is None or isinstance(self.structured, StructuredOutput),
+            "structured",
+            "must be a StructuredOutput or None",
+        )
 
 
 @functools.cache

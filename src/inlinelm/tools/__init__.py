@@ -1,0 +1,47 @@
+"""Tool calling: the calls a model's text holds, and how a chat offers tools to a model.
+
+- :mod:`~inlinelm.tools.calls`: :class:`ToolCall` and :class:`ParsedOutput`, plain data.
+- :mod:`~inlinelm.tools.parsers`: text → tool calls, one parser per model family, in a
+  registry (``hermes``: ``<tool_call>{json}</tool_call>``, SmolLM2/Hermes/Qwen2/Qwen2.5;
+  ``llama3_json``: a bare ``{"name", "parameters"}`` object, Llama 3.1/3.2/3.3).
+- :mod:`~inlinelm.tools.forced`: ``tool_choice`` "required" or a named function as a JSON
+  Schema the output must fit, and that output read back as calls.
+- :mod:`~inlinelm.tools.template`: tools and tool turns for chat templates that know no tools.
+"""
+
+from inlinelm.tools.calls import FunctionTool, ParsedOutput, ToolCall, new_call_id
+from inlinelm.tools.forced import ForcedCallParser, forced_schema, forced_structure
+from inlinelm.tools.parsers import (
+    PARSERS,
+    HermesParser,
+    Llama3JsonParser,
+    ToolParser,
+    get_parser,
+    parser_for_template,
+)
+from inlinelm.tools.template import (
+    chat_template_text,
+    prepare_messages,
+    template_supports_tools,
+    tools_prompt,
+)
+
+__all__ = [
+    "PARSERS",
+    "ForcedCallParser",
+    "FunctionTool",
+    "HermesParser",
+    "Llama3JsonParser",
+    "ParsedOutput",
+    "ToolCall",
+    "ToolParser",
+    "chat_template_text",
+    "forced_schema",
+    "forced_structure",
+    "get_parser",
+    "new_call_id",
+    "parser_for_template",
+    "prepare_messages",
+    "template_supports_tools",
+    "tools_prompt",
+]

@@ -1,0 +1,96 @@
+"""``tool_choice`` "required" or a named function: a JSON Schema the answer must fit, and
+the answer read back as calls.
+
+The fixed shapes the grammar enforces:
+
+- a named function: the answer is its arguments object, validated by its ``parameters``;
+- "required": ``{"name": <one of the names>, "arguments": <that function's parameters>}``
+  (an ``anyOf`` with one branch per function), or, with ``parallel_tool_calls``, a
+  non-empty array of such objects.
+
+``$defs`` of the functions' schemas are lifted to the top, so their ``#/$defs/...``
+references still resolve inside the combined schema.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from inlinelm.structured.spec import StructuredOutput
+from inlinelm.tools.calls import FunctionTool, ParsedOutput, ToolCall
+
+
+def forced_schema(
+    tools: Sequence[FunctionTool], named: str | None, parallel: bool
+) -> dict[str, Any]:
+    """The JSON Schema of the answer: see the module docstring."""
+    if named is not None:
+        (tool,) = [t for t in tools if t.name == named]
+        return tool.parameters_schema
+    defs: dict[str, Any] = {}
+    branches = []
+    for tool in tools:
+        parameters = dict(tool.parameters_schema)
+        defs.update(parameters.pop("$defs", {}))
+        branches.append(
+            {
+                "type": "object",
+                "properties": {"name": {"enum": [tool.name]}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    call: dict[str, Any] = {"anyOf": branches}
+    schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1} if parallel else call
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def forced_structure(
+    tools: Sequence[FunctionTool], named: str | None, parallel: bool
+) -> StructuredOutput:
+    """The constraint for ``tool_choice`` "required" (``named`` None) or a named function."""
+    return StructuredOutput.json_schema(forced_schema(tools, named, parallel))
+
+
+class ForcedCallParser:
+    """Reads an answer of the fixed shape back as calls; anything else is a plain answer
+    (an answer cut short by ``max_tokens``, or an engine that did not enforce the schema).
+
+    It holds back the whole answer while streaming: the calls go out when it is complete.
+    """
+
+    name = "forced"
+
+    def __init__(self, tools: Sequence[FunctionTool], named: str | None) -> None:
+        self.names = {tool.name for tool in tools}
+        self.named = named
+
+    def parse(self, text: str) -> ParsedOutput | None:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.named is not None:
+            return (
+                ParsedOutput(None, [ToolCall.of(self.named, value)])
+                if isinstance(value, dict)
+                else None
+            )
+        items = value if isinstance(value, list) else [value]
+        calls = [self._call(item) for item in items]
+        if not calls or any(call is None for call in calls):
+            return None
+        return ParsedOutput(None, [call for call in calls if call is not None])
+
+    def hold_from(self, text: str) -> int:
+        return 0
+
+    def _call(self, item: Any) -> ToolCall | None:
+        if not isinstance(item, dict) or item.get("name") not in self.names:
+            return None
+        arguments = item.get("arguments")
+        return ToolCall.of(item["name"], arguments) if isinstance(arguments, dict) else None

@@ -1,0 +1,75 @@
+"""tool_choice "required" / a named function: the schema the answer must fit, read back."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from inlinelm.tools import ForcedCallParser, FunctionTool, forced_schema, forced_structure
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = FunctionTool("get_weather", "The weather in a city", CITY)
+TIME = FunctionTool(
+    "get_time",
+    None,
+    {
+        "type": "object",
+        "properties": {"zone": {"$ref": "#/$defs/zone"}},
+        "$defs": {"zone": {"enum": ["utc", "cet"]}},
+    },
+)
+TOOLS = [WEATHER, TIME]
+
+
+def test_a_named_function_is_its_parameters_schema() -> None:
+    assert forced_schema(TOOLS, "get_weather", parallel=True) == CITY
+    assert forced_schema([FunctionTool("f")], "f", parallel=False) == {"type": "object"}
+    structure = forced_structure(TOOLS, "get_weather", parallel=True)
+    assert structure.kind == "json_schema" and json.loads(structure.text) == CITY
+
+
+def test_required_is_one_call_or_an_array_of_calls() -> None:
+    one = forced_schema(TOOLS, None, parallel=False)
+    jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo"}}, one)
+    jsonschema.validate({"name": "get_time", "arguments": {"zone": "utc"}}, one)
+    for wrong in (
+        {"name": "get_weather", "arguments": {"zone": "utc"}},
+        {"name": "get_time", "arguments": {"zone": "pst"}},
+        {"name": "other", "arguments": {}},
+        [{"name": "get_time", "arguments": {}}],
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, one)
+    many = forced_schema(TOOLS, None, parallel=True)
+    jsonschema.validate([{"name": "get_time", "arguments": {}}] * 2, many)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], many)
+    assert many["$defs"] == {"zone": {"enum": ["utc", "cet"]}}
+    assert TIME.parameters is not None and "$defs" in TIME.parameters  # the tool is untouched
+
+
+def test_answers_of_the_fixed_shapes_read_back_as_calls() -> None:
+    named = ForcedCallParser(TOOLS, "get_weather").parse('{"city": "Oslo"}')
+    assert named is not None and named.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in named.calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    required = ForcedCallParser(TOOLS, None)
+    one = required.parse('{"name": "get_time", "arguments": {"zone": "cet"}}')
+    assert one is not None and [c.name for c in one.calls] == ["get_time"]
+    many = required.parse(
+        '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "A"}}]'
+    )
+    assert many is not None and [c.name for c in many.calls] == ["get_time", "get_weather"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"city": "Os', "[]", '{"name": "nope", "arguments": {}}', '{"name": "get_time"}', "hello"],
+)
+def test_anything_else_is_a_plain_answer(text: str) -> None:
+    assert ForcedCallParser(TOOLS, None).parse(text) is None
+    assert ForcedCallParser(TOOLS, None).hold_from(text) == 0
+    assert ForcedCallParser(TOOLS, "get_weather").parse("[1]") is None

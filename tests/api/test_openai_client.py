@@ -150,8 +150,9 @@ def test_errors_raise_the_clients_exceptions(client: openai.OpenAI) -> None:
             model="default",
             messages=USER,
             tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
-    assert info.value.param == "tools"
+    assert info.value.param == "tool_choice.function.name"
 
 
 def test_models(client: openai.OpenAI) -> None:

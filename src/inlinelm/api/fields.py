@@ -17,8 +17,9 @@ from typing import Any
 
 from inlinelm.api.errors import APIError, bad_request
 
-# Fields of OpenAI's API (and of vLLM's extensions) that inlinelm does not implement yet.
-# Their neutral values (the ones that change nothing) are accepted; anything else is a 400.
+# Fields of OpenAI's API (and of vLLM's extensions) that inlinelm does not implement yet,
+# or not on every endpoint (completions take no tools). Their neutral values (the ones that
+# change nothing) are accepted; anything else is a 400.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "audio": (),
     "best_of": (1,),
@@ -29,7 +30,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (),
     "prediction": (),
     "reasoning_effort": (),
-    "response_format": ({"type": "text"},),
     "service_tier": ("auto", "default"),
     "store": (False,),
     "suffix": ("",),

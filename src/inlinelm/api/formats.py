@@ -34,9 +34,11 @@ class ChoiceFormat(Protocol):
 
     def delta(
         self, index: int, text: str, logprobs: list[TokenLogprobs] | None, reason: str | None = None
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         """A chunk choice with new text (never empty), its tokens' logprobs, and the
-        ``finish_reason`` when this is the choice's last text."""
+        ``finish_reason`` when this is the choice's last text; None when the format holds
+        the text back for now (tool calls: :mod:`inlinelm.api.tool_format`), which it
+        never does for a choice's last text."""
 
     def finish(
         self, index: int, reason: str, logprobs: list[TokenLogprobs] | None

@@ -19,14 +19,18 @@ from typing import Any
 
 from starlette.requests import Request
 
+from inlinelm.api.constraints import read_constraint
 from inlinelm.api.errors import APIError, bad_request
 from inlinelm.api.fields import INT_MAX, Fields, check_text
+from inlinelm.api.tool_request import ToolRequest, read_tool_calls, read_tools
 from inlinelm.errors import RequestError
 from inlinelm.sampling_params import UNSET, OutputKind, SamplingParams
+from inlinelm.structured.spec import StructuredOutput
+from inlinelm.tools.forced import forced_structure
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_FANOUT = 256
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Prompt: one string, or token ids. A completions request may carry several.
 Prompt = str | list[int]
@@ -46,7 +50,7 @@ class Limits:
 
 @dataclass(slots=True)
 class ChatRequest:
-    """A parsed ``POST /v1/chat/completions`` body."""
+    """A parsed ``POST /v1/chat/completions`` body; ``tools`` is None when it offers none."""
 
     model: str | None
     messages: list[dict[str, Any]]
@@ -55,6 +59,7 @@ class ChatRequest:
     include_usage: bool
     logprobs: bool
     user: str | None
+    tools: ToolRequest | None = None
 
 
 @dataclass(slots=True)
@@ -118,6 +123,8 @@ def parse_chat(data: Any, limits: Limits) -> ChatRequest:
     _check_fanout(1, options["n"], limits)
     if logprobs:
         options["logprobs"] = _check_logprobs(top_logprobs or 0, "top_logprobs", limits)
+    tools = read_tools(fields)
+    options["structured"] = _chat_constraint(fields, tools)
     request = ChatRequest(
         model=fields.read_str("model", None),
         messages=messages,
@@ -126,9 +133,28 @@ def parse_chat(data: Any, limits: Limits) -> ChatRequest:
         include_usage=include_usage,
         logprobs=logprobs,
         user=fields.read_str("user", None),
+        tools=tools,
     )
     fields.refuse_rest()
     return request
+
+
+def _chat_constraint(fields: Fields, tools: ToolRequest | None) -> StructuredOutput | None:
+    """The output constraint: the request's own, or the tool-call schema when the tool
+    choice forces a call (both at once is a 400)."""
+    constraint, field = read_constraint(fields)
+    if tools is None or not tools.forced:
+        return constraint
+    if constraint is not None:
+        raise bad_request(
+            f"{field} cannot be combined with a tool_choice that forces a call "
+            "(the call's arguments already follow the function's parameters)",
+            field,
+        )
+    try:
+        return forced_structure(tools.tools, tools.named, tools.parallel)
+    except RequestError as exc:
+        raise bad_request(f"tools: {exc.message}", "tools") from None
 
 
 def parse_completion(data: Any, limits: Limits) -> CompletionRequest:
@@ -151,6 +177,7 @@ def parse_completion(data: Any, limits: Limits) -> CompletionRequest:
     )
     _check_fanout(len(prompts), options["n"], limits)
     options["logprobs"] = logprobs
+    options["structured"] = read_constraint(fields)[0]
     request = CompletionRequest(
         model=fields.read_str("model", None),
         prompts=prompts,
@@ -296,6 +323,19 @@ def _read_message(fields: Fields) -> dict[str, Any]:
     name = fields.read_str("name", None)
     if name is not None:
         message["name"] = name
+    if role == "assistant":
+        calls = read_tool_calls(fields)
+        if calls:
+            message["tool_calls"] = calls
+    elif role == "tool":
+        call_id = fields.read_str("tool_call_id", None)
+        if call_id is None:
+            raise bad_request(
+                f"{fields.name('tool_call_id')} is required in a tool message",
+                fields.name("tool_call_id"),
+                code="missing_required_parameter",
+            )
+        message["tool_call_id"] = call_id
     fields.refuse_rest()
     return message
 

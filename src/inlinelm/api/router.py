@@ -39,6 +39,7 @@ from inlinelm.api.formats import ChatFormat, ChoiceFormat, CompletionFormat
 from inlinelm.api.protocol import (
     DEFAULT_MAX_FANOUT,
     DEFAULT_MAX_REQUEST_BYTES,
+    ChatRequest,
     Limits,
     parse_chat,
     parse_completion,
@@ -56,8 +57,12 @@ from inlinelm.api.sse import (
     TextFrame,
     event_stream,
 )
+from inlinelm.api.tool_format import ToolChatFormat
 from inlinelm.errors import EngineError, QueueFullError, RequestError, RequestFailedError
 from inlinelm.sampling_params import SamplingParams
+from inlinelm.tools.forced import ForcedCallParser
+from inlinelm.tools.parsers import ToolParser, get_parser, parser_for_template
+from inlinelm.tools.template import chat_template_text, prepare_messages, template_supports_tools
 
 if TYPE_CHECKING:
     from inlinelm.runtime.engine import Engine
@@ -75,6 +80,7 @@ def openai_router(
     sse_ping_s: float = DEFAULT_SSE_PING_S,
     max_fanout: int = DEFAULT_MAX_FANOUT,
     api_key: str | None = None,
+    tool_parser: str | ToolParser | None = None,
 ) -> Router:
     """The OpenAI-compatible API of ``engine`` as a router to mount under any prefix.
 
@@ -85,11 +91,15 @@ def openai_router(
     ``Authorization: Bearer <api_key>`` (``/health`` excepted); POST bodies must always be
     declared ``application/json`` (see the module docstring).
     Idle streams get an SSE comment every ``sse_ping_s`` seconds (0 turns pings off).
+    ``tool_parser`` reads tool calls out of answers to chats that offer tools with
+    ``tool_choice`` "auto": a name in :data:`inlinelm.tools.PARSERS` or a
+    :class:`~inlinelm.tools.ToolParser`; None picks one by the model's chat template.
     The engine is started on the first request if its owner has not started it.
     """
     if max_fanout < 1:
         raise ValueError(f"max_fanout must be at least 1, got {max_fanout}")
-    api = OpenAIEndpoints(engine, model_name, max_request_bytes, sse_ping_s, max_fanout)
+    parser = get_parser(tool_parser) if isinstance(tool_parser, str) else tool_parser
+    api = OpenAIEndpoints(engine, model_name, max_request_bytes, sse_ping_s, max_fanout, parser)
     access = Access(api_key)
 
     def route(path: str, endpoint: Endpoint, method: str) -> Route:
@@ -119,8 +129,10 @@ class OpenAIEndpoints:
         max_request_bytes: int,
         sse_ping_s: float,
         max_fanout: int,
+        tool_parser: ToolParser | None = None,
     ) -> None:
         self.engine = engine
+        self.tool_parser = tool_parser
         self.model_name = model_name or engine.model_name
         self.max_request_bytes = max_request_bytes
         self.sse_ping_s = sse_ping_s
@@ -128,6 +140,7 @@ class OpenAIEndpoints:
         self.registry = CollectorRegistry(auto_describe=True)
         engine.register_metrics(self.registry)
         self._texts: TokenTexts | None = None
+        self._chat_template: str | None = None
         self._created = int(time.time())
 
     # -- generation ------------------------------------------------------------------------
@@ -140,11 +153,12 @@ class OpenAIEndpoints:
             self._check_model(parsed.model)
             await self._ready()
             rid = new_id("chatcmpl")
-            stream = await self._start_chat(parsed.messages, parsed.params, rid, arrival)
+            messages, tools = self._chat_inputs(parsed)
+            stream = await self._start_chat(messages, tools, parsed.params, rid, arrival)
         except Exception as exc:
             return _error_response(exc)
         header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
-        fmt = ChatFormat(self.texts(), parsed.logprobs)
+        fmt = self._chat_format(parsed)
         if parsed.stream:
             return self._stream_response([stream], header, fmt, parsed.params.n, arrival)
         return await self._whole_response(request, [stream], header, fmt, parsed.params.n, arrival)
@@ -168,12 +182,44 @@ class OpenAIEndpoints:
             return self._stream_response(streams, header, fmt, n, arrival)
         return await self._whole_response(request, streams, header, fmt, n, arrival)
 
+    def _chat_inputs(
+        self, parsed: ChatRequest
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and tools for the chat template (see :mod:`inlinelm.tools.template`)."""
+        offered = parsed.tools.offered if parsed.tools is not None else []
+        has_tool_turns = any(m["role"] == "tool" or "tool_calls" in m for m in parsed.messages)
+        if not offered and not has_tool_turns:
+            return parsed.messages, None
+        native = template_supports_tools(self.chat_template())
+        messages = prepare_messages(parsed.messages, offered, native=native)
+        tools = [t.to_openai() for t in offered] if native and offered else None
+        return messages, tools
+
+    def _chat_format(self, parsed: ChatRequest) -> ChoiceFormat:
+        """Plain chat choices, or choices read for tool calls when the chat offers tools."""
+        tools = parsed.tools
+        if tools is None or tools.choice == "none":
+            return ChatFormat(self.texts(), parsed.logprobs)
+        parser: ToolParser
+        if tools.forced:
+            parser = ForcedCallParser(tools.tools, tools.named)
+        else:
+            parser = self.tool_parser or parser_for_template(self.chat_template())
+        return ToolChatFormat(self.texts(), parsed.logprobs, parser, tools.parallel)
+
     async def _start_chat(
-        self, messages: list[dict[str, Any]], params: SamplingParams, rid: str, arrival: float
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        params: SamplingParams,
+        rid: str,
+        arrival: float,
     ) -> OutputStream:
         """Hand a chat to the engine; a prompt error names ``messages`` (what the client sent)."""
         try:
-            stream = self.engine.chat(messages, params, request_id=rid, arrival_time=arrival)
+            stream = self.engine.chat(
+                messages, params, request_id=rid, arrival_time=arrival, tools=tools
+            )
             await stream.submit()  # NOTE: a large chat is tokenized off the loop; errors raise here
             return stream
         except RequestError as exc:
@@ -309,6 +355,12 @@ class OpenAIEndpoints:
         if self._texts is None:
             self._texts = TokenTexts(self.engine.tokenizer)
         return self._texts
+
+    def chat_template(self) -> str:
+        """The model's chat template source (read on first use, like :meth:`texts`)."""
+        if self._chat_template is None:
+            self._chat_template = chat_template_text(self.engine.tokenizer)
+        return self._chat_template
 
     async def _read(self, request: Request) -> Any:
         return await read_json(request, self.max_request_bytes)

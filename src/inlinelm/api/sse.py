@@ -214,11 +214,13 @@ def _step_frames(
             tally.finish_reasons[index] = reason
         if choice.text:
             # NOTE: the last content chunk carries the real finish_reason itself.
-            has_text = True
             if plan.text_frame is not None and not logprobs:
+                has_text = True
                 data += plan.text_frame.render(index, choice.text, reason)
-            else:
-                delta = fmt.delta(index, choice.text, logprobs, reason)
+                continue
+            delta = fmt.delta(index, choice.text, logprobs, reason)
+            if delta is not None:
+                has_text = True
                 data += frame(encode(header.chunk(fmt.chunk_object, [delta])))
         elif reason is not None:
             closing = fmt.finish(index, reason, logprobs)

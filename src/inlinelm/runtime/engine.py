@@ -249,11 +249,13 @@ class Engine:
         *,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
         **overrides: Any,
     ) -> RequestStream:
-        """Like :meth:`stream`, with the model's chat template applied to ``messages``."""
+        """Like :meth:`stream`, with the model's chat template applied to ``messages``
+        (and to ``tools``, OpenAI-style function tools, when given)."""
         source = _Prompt(
-            lambda: self.render_chat(messages), False, "messages", _chat_size(messages)
+            lambda: self.render_chat(messages, tools), False, "messages", _chat_size(messages)
         )
         return self._open(source, _params(params, overrides), request_id, arrival_time)
 
@@ -282,11 +284,15 @@ class Engine:
             stream._attach(self._submit(loaded, prompt_ids, params, rid, arrival, source.param))
         return stream
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        """The prompt text the chat template makes of ``messages`` (with the assistant turn opened)."""
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt text the chat template makes of ``messages`` (with the assistant turn
+        opened), and of ``tools`` when given (``apply_chat_template(..., tools=...)``)."""
+        extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=True
+                list(messages), tokenize=False, add_generation_prompt=True, **extra
             )
         except Exception as e:
             raise RequestError(f"cannot apply the chat template: {e}", param="messages") from e

@@ -1,0 +1,113 @@
+"""Chat choices of a request that offers tools: the model's text read for tool calls.
+
+A whole answer is parsed once. A stream sends content as usual until text that may be a
+call appears (the parser's :meth:`~inlinelm.tools.ToolParser.hold_from`); from there it
+holds the text back until the choice ends, then sends either the calls, in one chunk the
+way the openai SDK accumulates them (each with ``index``, ``id``, ``type`` and the whole
+``function``), with ``finish_reason`` "tool_calls", or the held text as content with the
+engine's own finish reason when it was no call after all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from inlinelm.api.responses import TokenTexts, chat_choice, chat_delta_choice, chat_logprobs
+from inlinelm.runtime.outputs import CompletionOutput
+from inlinelm.sched.output import TokenLogprobs
+from inlinelm.tools.calls import ParsedOutput, ToolCall
+from inlinelm.tools.parsers import ToolParser
+
+
+@dataclass(slots=True)
+class _Held:
+    """One streamed choice: its text so far, how much of it was sent, unsent logprobs."""
+
+    text: str = ""
+    sent: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ToolChatFormat:
+    """``chat.completion(.chunk)`` choices that may carry ``tool_calls`` (see the module
+    docstring). ``parallel`` false keeps only the first call an answer holds."""
+
+    texts: TokenTexts
+    logprobs: bool
+    parser: ToolParser
+    parallel: bool = True
+    chunk_object: str = "chat.completion.chunk"
+    response_object: str = "chat.completion"
+    _held: dict[int, _Held] = field(default_factory=dict)
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        return chat_delta_choice(index, {"role": "assistant", "content": ""})
+
+    def delta(
+        self, index: int, text: str, logprobs: list[TokenLogprobs] | None, reason: str | None = None
+    ) -> dict[str, Any] | None:
+        held = self._held.setdefault(index, _Held())
+        held.text += text
+        held.logprobs += logprobs or []
+        if reason is not None:
+            return self._close(index, reason)
+        end = self.parser.hold_from(held.text)
+        if end <= held.sent:
+            return None
+        content, held.sent = held.text[held.sent : end], end
+        return chat_delta_choice(index, {"content": content}, None, self._take_logprobs(held))
+
+    def finish(
+        self, index: int, reason: str, logprobs: list[TokenLogprobs] | None
+    ) -> dict[str, Any]:
+        self._held.setdefault(index, _Held()).logprobs += logprobs or []
+        return self._close(index, reason)
+
+    def whole(self, index: int, output: CompletionOutput) -> dict[str, Any]:
+        logprobs = self._logprobs(output.logprobs)
+        parsed = self._parse(output.text)
+        if parsed is None:
+            return chat_choice(index, output.text, output.finish_reason, logprobs)
+        message = {
+            "role": "assistant",
+            "content": parsed.content,
+            "tool_calls": [call.to_openai() for call in parsed.calls],
+        }
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": "tool_calls",
+        }
+
+    def _close(self, index: int, reason: str) -> dict[str, Any]:
+        """The choice's last chunk: the held text as calls, or as content."""
+        held = self._held.pop(index, _Held())
+        tail = held.text[held.sent :]
+        logprobs = self._take_logprobs(held)
+        parsed = self._parse(tail) if tail else None
+        if parsed is None:
+            return chat_delta_choice(index, {"content": tail} if tail else {}, reason, logprobs)
+        delta: dict[str, Any] = {}
+        if parsed.content:
+            delta["content"] = parsed.content
+        delta["tool_calls"] = [call.to_openai(i) for i, call in enumerate(parsed.calls)]
+        return chat_delta_choice(index, delta, "tool_calls", logprobs)
+
+    def _parse(self, text: str) -> ParsedOutput | None:
+        parsed = self.parser.parse(text)
+        if parsed is None or not parsed.calls:
+            return None
+        calls: list[ToolCall] = parsed.calls if self.parallel else parsed.calls[:1]
+        return ParsedOutput(parsed.content, calls)
+
+    def _take_logprobs(self, held: _Held) -> dict[str, Any] | None:
+        entries, held.logprobs = held.logprobs, []
+        return self._logprobs(entries)
+
+    def _logprobs(self, entries: list[TokenLogprobs] | None) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        return chat_logprobs(entries or [], self.texts)

@@ -58,6 +58,8 @@ ENGINE_HELP: dict[str, str] = {
     "max_logprobs": "most top logprobs a request may ask for",
     "max_n": "most choices (n) one request may ask for",
     "max_inline_prompt_chars": "tokenize longer prompts on a worker thread, off the event loop",
+    "grammar_compile_threads": "worker threads that compile structured-output grammars",
+    "grammar_cache_size": "compiled structured-output grammars kept, keyed by kind and text",
     "default_max_tokens": "max_tokens of a request that sets none; default: the model's "
     "generation_config max_new_tokens, else 1024",
     "default_temperature": "temperature of a request that sets none; default: the model's "

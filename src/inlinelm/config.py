@@ -90,6 +90,10 @@ class EngineConfig:
     # tokenized on a worker thread instead of the event loop (a thread hop costs more than
     # it saves for short ones).
     max_inline_prompt_chars: int = 16384
+    # Structured output: worker threads that compile grammars (off the event loop and the
+    # engine thread), and how many compiled grammars are kept, keyed by (kind, text).
+    grammar_compile_threads: int = 2
+    grammar_cache_size: int = 256
     # Sampling defaults for requests that leave a field unset; None: the model's
     # generation_config.json, else FALLBACK_SAMPLING (see sampling_defaults).
     default_max_tokens: int | None = None
@@ -164,6 +168,8 @@ class EngineConfig:
             "stream_interval",
             "max_n",
             "max_inline_prompt_chars",
+            "grammar_compile_threads",
+            "grammar_cache_size",
         )
         for name in positives:
             value = getattr(self, name)

@@ -19,6 +19,7 @@ from inlinelm.sched.output import (
     TokenLogprobs,
 )
 from inlinelm.sched.request import Request
+from inlinelm.structured.matcher import GrammarMatcher
 
 
 class EchoRunner:
@@ -72,7 +73,10 @@ class EchoRunner:
                 request = item.request
                 req_ids.append(request.request_id)
                 end = item.start + item.num_tokens
-                sampled.append(self.next_token(request, end - len(request.prompt_token_ids)))
+                token = self.next_token(request, end - len(request.prompt_token_ids))
+                if request.grammar is not None:
+                    token = _follow_grammar(request.grammar, token)
+                sampled.append(token)
                 num_top.append(request.params.logprobs)
         if any(n is not None for n in num_top):
             out.logprobs = [_scripted_logprobs(t, n) for t, n in zip(sampled, num_top, strict=True)]
@@ -137,3 +141,14 @@ def _scripted_logprobs(token_id: int, num_top: int | None) -> TokenLogprobs | No
     # Sampled token first, then the top-N: the echoed token, then its neighbours.
     top = [token_id + i for i in range(num_top)]
     return TokenLogprobs([token_id, *top], [0.0, *(-float(i) for i in range(num_top))], 1)
+
+
+def _follow_grammar(grammar: GrammarMatcher, token: int) -> int:
+    """``token`` when the grammar allows it next, else the lowest id it allows."""
+    mask: bytes = grammar.ll_matcher.compute_bitmask()  # little-endian int32 words
+    if token // 8 < len(mask) and mask[token // 8] >> (token % 8) & 1:
+        return token
+    for i, byte in enumerate(mask):
+        if byte:
+            return i * 8 + (byte & -byte).bit_length() - 1
+    return token  # nothing allowed: the scheduler's grammar check fails the request

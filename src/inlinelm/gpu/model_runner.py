@@ -21,6 +21,7 @@ from inlinelm.errors import RequestError
 from inlinelm.gpu.attention import AttentionMetadata
 from inlinelm.gpu.attention_backends import make_attention_backend, select_attention_backend
 from inlinelm.gpu.cuda_graphs import DecodeGraphs, make_graph_attention
+from inlinelm.gpu.grammar_mask import GrammarMasks
 from inlinelm.gpu.input_batch import InputBatch, IntArray, StepInputs
 from inlinelm.gpu.kernels import make_kernels
 from inlinelm.gpu.kv_cache import (
@@ -124,6 +125,7 @@ class ModelRunner:
         self._graphs_built = False
         self._last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self._in_flight: deque[_StepInFlight] = deque()
+        self._grammar_masks = GrammarMasks(config.max_num_seqs, self.device)
 
     def _profile_gpu_memory(self, free_at_start: int | None) -> GpuMemoryUse | None:
         """On CUDA without an explicit cache size: measure what the weights hold and the
@@ -397,6 +399,11 @@ class ModelRunner:
         if not meta.no_penalties:
             self._count_tokens_in_flight(meta, requests, inputs.sampling_rows)
         self._suppress_early_stops(logits, requests)
+        grammars = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+        if grammars:
+            # NOTE: the scheduler never samples a constrained row while an earlier sample of
+            # it is in flight, so its matcher has consumed every token before this one.
+            self._grammar_masks.apply(logits, grammars)
         out = self.sampler(logits, meta)
         sampled = out.sampled.long()
         self._last_sampled.index_copy_(0, self._to_device(inputs.sampling_rows), sampled)
@@ -440,9 +447,12 @@ class ModelRunner:
         """Ban EOS and stop tokens for rows that have not reached ``min_tokens`` yet.
 
         Outputs sampled by steps in flight count: ``num_pending_samples`` includes them and
-        this step's own sample.
+        this step's own sample. A row with a grammar is left alone: its grammar decides when
+        the output may end (banning the EOS a complete output needs would leave no token).
         """
         for i, request in enumerate(requests):
+            if request.grammar is not None:
+                continue
             params = request.params
             num_before = len(request.output_token_ids) + request.num_pending_samples - 1
             if params.min_tokens and num_before < params.min_tokens:

@@ -38,6 +38,7 @@ from inlinelm.runtime.request_state import (
 from inlinelm.runtime.stream import RequestStream, Submission
 from inlinelm.runtime.sync import generate_all, run_sync
 from inlinelm.sampling_params import OutputKind, SamplingParams
+from inlinelm.structured.compiler import CompiledGrammar
 
 logger = logging.getLogger("inlinelm")
 
@@ -65,6 +66,7 @@ class Engine:
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._heartbeat = Heartbeat(time.perf_counter())
         self._tokenizer_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._grammar_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -122,9 +124,10 @@ class Engine:
                 loaded.core.shutdown()
                 loaded.core.join()
         self._fail_all_loops(EngineClosedError("the engine was closed"))
-        if self._tokenizer_pool is not None:
-            self._tokenizer_pool.shutdown(wait=True, cancel_futures=True)
-            self._tokenizer_pool = None
+        for pool in (self._tokenizer_pool, self._grammar_pool):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._tokenizer_pool = self._grammar_pool = None
         # NOTE: drop every path to the core (and so to the runner's weights and KV cache).
         self._handle.core = None
         self._start_future = None
@@ -202,12 +205,16 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Engine-wide numbers: queues, KV use, prefix-cache hit rate, histograms, coalescing."""
         loaded = self._loaded
-        return engine_stats(
+        stats = engine_stats(
             loaded.core.stats if loaded is not None else None,
             self.metrics,
             num_queued=self._handle.num_queued_requests,
             num_coalesced_steps=sum(b.num_coalesced_steps for b in self._dispatcher.bridges()),
         )
+        cache = loaded.grammars.stats if loaded is not None else None
+        stats["grammar_cache_hits"] = cache.hits if cache is not None else 0
+        stats["grammar_cache_misses"] = cache.misses if cache is not None else 0
+        return stats
 
     def register_metrics(self, registry: Any) -> None:
         """Register a Prometheus collector for this engine on ``registry``."""
@@ -278,7 +285,10 @@ class Engine:
             lambda: self._submit_lazily(source, params, rid, arrival),
             delta=params.output_kind is OutputKind.DELTA,
         )
-        if self.is_ready and source.size <= self.config.max_inline_prompt_chars:
+        # NOTE: a request with a grammar always takes the lazy path: its grammar compiles
+        # on a worker thread, and a bad one raises from ``await stream.submit()``.
+        inline = source.size <= self.config.max_inline_prompt_chars and params.structured is None
+        if self.is_ready and inline:
             loaded = self._require_loaded()
             prompt_ids = self._tokenize(loaded, source)
             stream._attach(self._submit(loaded, prompt_ids, params, rid, arrival, source.param))
@@ -380,7 +390,15 @@ class Engine:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_pool(), self._tokenize, loaded, source
             )
-        return self._submit(loaded, prompt_ids, params, rid, arrival, source.param)
+        grammar = None
+        if params.structured is not None:
+            # NOTE: invariant 12: compiled (or fetched from the cache) on a grammar worker
+            # thread before anything is queued: a bad grammar is a RequestError here, and
+            # the engine thread only ever sees a validated one.
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                self._compile_pool(), loaded.grammars.compile, params.structured
+            )
+        return self._submit(loaded, prompt_ids, params, rid, arrival, source.param, grammar)
 
     def _tokenize(self, loaded: LoadedEngine, source: _Prompt) -> list[int]:
         admit_count(self.config, self._handle)  # NOTE: a full queue refuses before tokenizing
@@ -428,6 +446,16 @@ class Engine:
                 )
             return self._tokenizer_pool
 
+    def _compile_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            self._check_usable()
+            if self._grammar_pool is None:
+                self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.config.grammar_compile_threads,
+                    thread_name_prefix="inlinelm-grammar",
+                )
+            return self._grammar_pool
+
     def _submit(
         self,
         loaded: LoadedEngine,
@@ -436,8 +464,10 @@ class Engine:
         rid: str,
         arrival: float,
         param: str,
+        grammar: CompiledGrammar | None = None,
     ) -> Submission:
-        """Admit a tokenized request and hand it to the engine thread (on the caller's loop)."""
+        """Admit a tokenized request and hand it to the engine thread (on the caller's loop);
+        with ``grammar``, each choice gets its own matcher."""
         self._check_usable()
         admit_count(self.config, self._handle)
         params = loaded.admission.with_defaults(params, len(prompt_ids))
@@ -456,9 +486,13 @@ class Engine:
             self._check_usable()
         self._arm_queue_timeout(loop, bridge, parent)
         share = self.config.enable_prefix_caching
-        for request in engine_requests(
+        requests = engine_requests(
             parent, children, loaded.eos_token_id, arrival, share_prefix=share
-        ):
+        )
+        if grammar is not None:
+            for request in (*requests, *parent.deferred):
+                request.grammar = grammar.new_matcher()
+        for request in requests:
             loaded.core.add_request(request)
         self._heartbeat.last = time.perf_counter()
         return Submission(parent, bridge)

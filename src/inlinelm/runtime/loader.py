@@ -15,6 +15,7 @@ from inlinelm.runtime.admission import Admission
 from inlinelm.runtime.engine_core import EngineCore
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.output import EngineCoreOutputs, Runner
+from inlinelm.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger("inlinelm")
 
@@ -31,6 +32,7 @@ class LoadedEngine:
     max_model_len: int
     eos_token_id: int | None
     admission: Admission
+    grammars: GrammarCompiler
 
     def make_detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> Any:
         """A fresh incremental detokenizer for one choice."""
@@ -79,7 +81,16 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
         config.block_size,
     )
     admission = Admission(tokenizer, vocab_size, max_model_len, defaults)
-    return LoadedEngine(core, tokenizer, max_model_len, eos, admission)
+    grammars = GrammarCompiler(lambda: _llg_tokenizer(tokenizer), config.grammar_cache_size)
+    return LoadedEngine(core, tokenizer, max_model_len, eos, admission, grammars)
+
+
+def _llg_tokenizer(tokenizer: Any) -> Any:
+    """The llguidance view of ``tokenizer`` (its token bytes), built on first use: about a
+    second for a 49k vocabulary, paid only by an engine that sees a grammar."""
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer)
 
 
 def _build_runner(

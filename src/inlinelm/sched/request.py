@@ -1,8 +1,8 @@
 """Engine-side request state: plain data owned by the engine thread.
 
 The scheduler mutates it; the runner reads it (``request_id``, ``prompt_token_ids``,
-``output_token_ids``, ``all_token_ids``, ``block_ids``, ``params``, and the position to
-compute from in each :class:`~inlinelm.sched.output.ScheduledRequest`).
+``output_token_ids``, ``all_token_ids``, ``block_ids``, ``params``, ``grammar``, and the
+position to compute from in each :class:`~inlinelm.sched.output.ScheduledRequest`).
 """
 
 from __future__ import annotations
@@ -10,9 +10,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.output import FinishReason
+
+if TYPE_CHECKING:
+    from inlinelm.structured.matcher import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -84,6 +88,10 @@ class Request:
     num_pending_samples: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    # Structured output: the grammar state, which has consumed exactly ``output_token_ids``
+    # (so it survives preemption unchanged). The runner masks logits with it; the scheduler
+    # feeds it each sampled token.
+    grammar: GrammarMatcher | None = None
     _all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

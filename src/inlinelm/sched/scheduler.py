@@ -5,7 +5,10 @@ It runs on the engine thread only. One step is ``schedule()`` → the runner →
 previous step's update: requests then carry in-flight tokens and pending samples, and a
 decode is scheduled on a token not known here yet (the device has it). A request sure to
 finish in the step in flight (its length caps) is not scheduled again; one that stops on
-EOS or a stop token wastes one row of the next step, whose result is dropped.
+EOS or a stop token wastes one row of the next step, whose result is dropped. A request with
+a grammar is not scheduled while it has a sample in flight: its next mask needs that token
+(constrained requests decode every other step of a pipelined loop; the others keep
+pipelining).
 
 Policy, in order of precedence:
 
@@ -182,9 +185,11 @@ class Scheduler:
             pending = request.num_pending_samples
             num_known = len(request.all_token_ids)
             if pending and (
-                num_known + pending >= max_model_len or _reaches_max_tokens(request, pending)
+                request.grammar is not None
+                or num_known + pending >= max_model_len
+                or _reaches_max_tokens(request, pending)
             ):
-                continue  # the step in flight finishes it
+                continue  # the step in flight finishes it, or its grammar awaits its token
             left = num_known + pending - request.num_computed_tokens - request.num_inflight_tokens
             if left == 1:
                 decodes.append((request, left))
@@ -333,8 +338,18 @@ class Scheduler:
         return output
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
-        """EOS and stop tokens (not among the first ``min_tokens``), then the length caps."""
+        """The grammar (a refused token fails the request; EOS after a complete output
+        stops it, whatever ``min_tokens`` or ``ignore_eos`` say), EOS and stop tokens (not
+        among the first ``min_tokens``), then the length caps."""
         params = request.params
+        grammar = request.grammar
+        if grammar is not None:
+            # NOTE: a complete output is not finished on its last token but on the EOS its
+            # mask then forces, so the last token's text is shown and EOS is not.
+            if not grammar.accept(token_id):
+                return FinishReason.ERROR
+            if token_id == request.eos_token_id and grammar.is_stopped:
+                return FinishReason.STOP
         if request.num_output_tokens > params.min_tokens:
             if token_id == request.eos_token_id and not params.ignore_eos:
                 return FinishReason.STOP

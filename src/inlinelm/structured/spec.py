@@ -40,7 +40,8 @@ class StructuredOutput:
         if not isinstance(schema, dict):
             raise RequestError("a JSON schema must be a JSON object", param=_PARAM)
         try:
-            text = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+            # NOTE: keys keep their order: it is the order of the output's properties.
+            text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise RequestError(f"the JSON schema cannot be serialised: {e}", param=_PARAM) from e
         return cls("json_schema", text)

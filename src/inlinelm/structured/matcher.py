@@ -1,0 +1,55 @@
+"""One choice's grammar state on the engine thread: which tokens may come next, and the
+tokens generated so far fed through it.
+
+A :class:`GrammarMatcher` is made at submit (a copy of the compiled grammar's validated
+template), handed to the engine thread with its request, and used only there from then on:
+the runner fills its bitmask row before sampling, the scheduler feeds it the sampled token.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger("inlinelm")
+
+
+class GrammarMatcher:
+    """An llguidance matcher for one sequence (wraps ``llguidance.LLMatcher``).
+
+    ``vocab_size`` is the tokenizer's: a bitmask row has ``ceil(vocab_size / 32)`` int32
+    words, bit ``t`` set when token ``t`` is allowed next. Once the grammar is complete the
+    mask allows only EOS; a token the grammar refuses puts the matcher in error for good.
+    """
+
+    __slots__ = ("_matcher", "vocab_size")
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+
+    @property
+    def ll_matcher(self) -> Any:
+        """The wrapped ``llguidance.LLMatcher`` (for batched mask filling)."""
+        return self._matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Feed one sampled token; False (and an error state) when the grammar refuses it."""
+        ok: bool = self._matcher.consume_token(token_id)
+        if not ok:
+            logger.warning("grammar refused token %d: %s", token_id, self.error)
+        return ok
+
+    @property
+    def is_stopped(self) -> bool:
+        """True once the output is complete (its mask then allows only EOS), or on error."""
+        stopped: bool = self._matcher.is_stopped()
+        return stopped
+
+    @property
+    def error(self) -> str | None:
+        """The error message, when a refused token (or a fault) stopped the matcher."""
+        if not self._matcher.is_error():
+            return None
+        message: str = self._matcher.get_error()
+        return message

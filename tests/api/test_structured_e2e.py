@@ -1,10 +1,6 @@
-"""Structured output and forced tool calls end to end, on a real (tiny, random) model.
-
-NEEDS THE ENGINE'S ENFORCEMENT of ``SamplingParams.structured`` (grammar compiled off the
-loop, token bitmask on the engine thread), developed on its own branch: until that is
-merged the engine ignores the constraint and these tests cannot pass, so the module is
-skipped with that reason (shown by ``-ra``). Whoever merges the enforcement sets
-``ENFORCEMENT_MERGED = True`` and runs this file.
+"""Structured output and forced tool calls end to end over HTTP, on a real (tiny, random)
+model: the engine enforces the constraint (grammar compiled off the loop, token bitmask on
+the engine thread).
 
 A random model gives no meaningful answers, but under a grammar whatever it samples fits:
 the schemas here are bounded (enums, small integers, fixed-length patterns) so an answer
@@ -30,12 +26,6 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from inlinelm.api import create_app
 from inlinelm.config import EngineConfig
 from tests.api.conftest import ServerThread, serve
-
-ENFORCEMENT_MERGED = False
-pytestmark = pytest.mark.skipif(
-    not ENFORCEMENT_MERGED,
-    reason="needs the engine to enforce SamplingParams.structured (set ENFORCEMENT_MERGED)",
-)
 
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Weather in Paris?"}]
 ANSWER_SCHEMA = {

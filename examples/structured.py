@@ -29,8 +29,12 @@ from inlinelm.structured import StructuredOutput
 RUNNER = os.environ.get("INLINELM_EXAMPLE_RUNNER", "model")
 CITY = {
     "type": "object",
-    "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+    },
     "required": ["city", "population"],
+    "additionalProperties": False,
 }
 WEATHER_TOOL: Any = {
     "type": "function",

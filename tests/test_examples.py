@@ -9,6 +9,7 @@ runs headless in a real Jupyter kernel.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -188,3 +189,22 @@ def _wait_until_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -
             pass
         time.sleep(0.05)  # between polls of a real event, never instead of one
     raise AssertionError(f"the server did not become healthy:\n{log.read_text()}")
+
+
+def test_structured_example_on_the_default_model() -> None:
+    """The JSON answers fit the example's schema and the forced tool call is well formed."""
+    import jsonschema
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from structured import CITY  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    out = run_example("structured.py", runner="model", timeout=300)
+    lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    python_json, _, reason = lines["python"].rpartition(" [")
+    assert reason == "stop]"
+    jsonschema.validate(json.loads(python_json), CITY)
+    jsonschema.validate(json.loads(lines["response_format"]), CITY)
+    assert lines["finish_reason"] == "tool_calls"
+    assert lines["call"].startswith("get_weather {")

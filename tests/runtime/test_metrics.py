@@ -31,6 +31,8 @@ STATS_KEYS = {
     "num_coalesced_steps",
     "finished",
     "histograms",
+    "grammar_cache_hits",
+    "grammar_cache_misses",
 }
 HISTOGRAMS = {
     "step_duration_seconds",

@@ -222,3 +222,17 @@ def test_echo_runner_follows_the_grammar() -> None:
             assert out.outputs[0].finish_reason == "stop"
 
     run(main())
+
+
+def test_a_stop_string_ends_a_constrained_request_and_frees_it(engine: Engine) -> None:
+    """Stop strings are matched on the loop as for any request: the constrained output is
+    cut at the stop string, the request is aborted on the engine, nothing is left."""
+    pattern = r"[a-c]{4}-[0-9]{6}"
+    free = GREEDY.with_overrides(structured=StructuredOutput.regex(pattern))
+    full, _ = _text(engine, "Pattern:", free)
+    assert re.fullmatch(pattern, full), full
+    stop = full[5:7]  # two characters inside the digits: a stop before the grammar ends
+    cut = full[: full.index(stop)]
+    text, reason = _text(engine, "Pattern:", free.with_overrides(stop=[stop]))
+    assert (text, reason) == (cut, "stop")
+    run(assert_drained(engine))

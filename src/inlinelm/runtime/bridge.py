@@ -217,3 +217,26 @@ def post_outputs(
     if batch.error is not None:
         logger.error("the engine thread died: %r", batch.error)
     dispatcher.post(batch)
+
+
+def fail_loops(dispatcher: OutputDispatcher, error: BaseException) -> None:
+    """End every stream on every loop with ``error``, each on its own loop."""
+    for bridge in dispatcher.bridges():
+        with contextlib.suppress(RuntimeError):
+            bridge.loop.call_soon_threadsafe(bridge.fail_all, error)
+
+
+def fail_engine(
+    dispatcher: OutputDispatcher, handle: CoreHandle, cause: BaseException
+) -> EngineDeadError:
+    """An output handler failed: mark the engine failed, end every stream on every loop with
+    ``EngineDeadError``, and stop the engine thread (it frees every request's blocks)."""
+    error = EngineDeadError(f"the output handler failed: {type(cause).__name__}")
+    error.__cause__ = cause
+    if dispatcher.fatal_error is None:
+        dispatcher.fatal_error = cause
+    fail_loops(dispatcher, error)
+    core = handle.core
+    if core is not None:
+        core.shutdown()
+    return error

@@ -12,8 +12,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from inlinelm.config import EngineConfig
@@ -24,11 +23,19 @@ from inlinelm.errors import (
     RequestError,
 )
 from inlinelm.runtime.admission import admit_count, admit_tokens, check_limits
-from inlinelm.runtime.bridge import Heartbeat, LoopBridge, OutputDispatcher, post_outputs
+from inlinelm.runtime.bridge import (
+    Heartbeat,
+    LoopBridge,
+    OutputDispatcher,
+    fail_engine,
+    fail_loops,
+    post_outputs,
+)
 from inlinelm.runtime.core_handle import CoreHandle
 from inlinelm.runtime.loader import LoadedEngine, load_engine
 from inlinelm.runtime.metrics import EngineMetrics, PrometheusCollector, engine_stats
 from inlinelm.runtime.outputs import RequestOutput
+from inlinelm.runtime.prompt_source import Prompt, PromptSource, chat_size
 from inlinelm.runtime.request_state import (
     ParentRequest,
     RequestState,
@@ -37,12 +44,11 @@ from inlinelm.runtime.request_state import (
 )
 from inlinelm.runtime.stream import RequestStream, Submission
 from inlinelm.runtime.sync import generate_all, run_sync
+from inlinelm.runtime.workers import Workers
 from inlinelm.sampling_params import OutputKind, SamplingParams
 from inlinelm.structured.compiler import CompiledGrammar
 
 logger = logging.getLogger("inlinelm")
-
-Prompt = str | list[int]
 
 
 class Engine:
@@ -65,8 +71,7 @@ class Engine:
         self._handle = CoreHandle()
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._heartbeat = Heartbeat(time.perf_counter())
-        self._tokenizer_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._grammar_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._workers = Workers(self.config.grammar_compile_threads)
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -124,10 +129,7 @@ class Engine:
                 loaded.core.shutdown()
                 loaded.core.join()
         self._fail_all_loops(EngineClosedError("the engine was closed"))
-        for pool in (self._tokenizer_pool, self._grammar_pool):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-        self._tokenizer_pool = self._grammar_pool = None
+        self._workers.close()
         # NOTE: drop every path to the core (and so to the runner's weights and KV cache).
         self._handle.core = None
         self._start_future = None
@@ -246,7 +248,7 @@ class Engine:
         before that they raise from the first ``async for``/``await``.
         """
         size = len(prompt) if isinstance(prompt, str) else 0
-        source = _Prompt(lambda: prompt, add_special_tokens, "prompt", size)
+        source = PromptSource(lambda: prompt, add_special_tokens, "prompt", size)
         return self._open(source, _params(params, overrides), request_id, arrival_time)
 
     def chat(
@@ -261,14 +263,14 @@ class Engine:
     ) -> RequestStream:
         """Like :meth:`stream`, with the model's chat template applied to ``messages``
         (and to ``tools``, OpenAI-style function tools, when given)."""
-        source = _Prompt(
-            lambda: self.render_chat(messages, tools), False, "messages", _chat_size(messages)
+        source = PromptSource(
+            lambda: self.render_chat(messages, tools), False, "messages", chat_size(messages)
         )
         return self._open(source, _params(params, overrides), request_id, arrival_time)
 
     def _open(
         self,
-        source: _Prompt,
+        source: PromptSource,
         params: SamplingParams,
         request_id: str | None,
         arrival_time: float | None,
@@ -378,7 +380,7 @@ class Engine:
     # -----------------------------------------------------------
 
     async def _submit_lazily(
-        self, source: _Prompt, params: SamplingParams, rid: str, arrival: float
+        self, source: PromptSource, params: SamplingParams, rid: str, arrival: float
     ) -> Submission:
         await self.start()
         loaded = self._require_loaded()
@@ -387,24 +389,20 @@ class Engine:
         else:
             # NOTE: invariant 12: a large prompt or chat is rendered and tokenized on a worker
             # thread (the tokenizer releases the GIL), so other streams keep flowing.
-            prompt_ids = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool(), self._tokenize, loaded, source
-            )
+            prompt_ids = await self._workers.tokenize(self._tokenize, loaded, source)
         grammar = None
         if params.structured is not None:
             # NOTE: invariant 12: compiled (or fetched from the cache) on a grammar worker
             # thread before anything is queued: a bad grammar is a RequestError here, and
             # the engine thread only ever sees a validated one.
-            grammar = await asyncio.get_running_loop().run_in_executor(
-                self._compile_pool(), loaded.grammars.compile, params.structured
-            )
+            grammar = await self._workers.compile(loaded.grammars.compile, params.structured)
         return self._submit(loaded, prompt_ids, params, rid, arrival, source.param, grammar)
 
-    def _tokenize(self, loaded: LoadedEngine, source: _Prompt) -> list[int]:
+    def _tokenize(self, loaded: LoadedEngine, source: PromptSource) -> list[int]:
         admit_count(self.config, self._handle)  # NOTE: a full queue refuses before tokenizing
         return self._encode(loaded, source)
 
-    def _encode(self, loaded: LoadedEngine, source: _Prompt) -> list[int]:
+    def _encode(self, loaded: LoadedEngine, source: PromptSource) -> list[int]:
         prompt = source.make()
         return loaded.admission.tokenize(prompt, source.add_special_tokens, source.param)
 
@@ -423,38 +421,17 @@ class Engine:
         loaded = self._require_loaded()
         if messages is not None:
             special = bool(add_special_tokens)
-            source = _Prompt(
-                lambda: self.render_chat(messages), special, "messages", _chat_size(messages)
+            source = PromptSource(
+                lambda: self.render_chat(messages), special, "messages", chat_size(messages)
             )
         elif isinstance(prompt, str):
             special = add_special_tokens is None or add_special_tokens
-            source = _Prompt(lambda: prompt, special, "prompt", len(prompt))
+            source = PromptSource(lambda: prompt, special, "prompt", len(prompt))
         else:
             raise RequestError("give a prompt string or messages", param="prompt")
         if source.size <= self.config.max_inline_prompt_chars:
             return self._encode(loaded, source)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool(), self._encode, loaded, source
-        )
-
-    def _tokenize_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        with self._lock:
-            self._check_usable()
-            if self._tokenizer_pool is None:
-                self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=2, thread_name_prefix="inlinelm-tokenize"
-                )
-            return self._tokenizer_pool
-
-    def _compile_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        with self._lock:
-            self._check_usable()
-            if self._grammar_pool is None:
-                self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=self.config.grammar_compile_threads,
-                    thread_name_prefix="inlinelm-grammar",
-                )
-            return self._grammar_pool
+        return await self._workers.tokenize(self._encode, loaded, source)
 
     def _submit(
         self,
@@ -499,7 +476,7 @@ class Engine:
 
     def _loop_bridge(self, loop: asyncio.AbstractEventLoop) -> LoopBridge:
         """This loop's bridge (and output handler task), created on first use."""
-        on_failure = functools.partial(_fail_engine, self._dispatcher, self._handle)
+        on_failure = functools.partial(fail_engine, self._dispatcher, self._handle)
         return self._dispatcher.bridge_for(
             loop, lambda: LoopBridge(loop, self._handle, self.metrics, on_failure)
         )
@@ -540,7 +517,7 @@ class Engine:
             )
 
     def _fail_all_loops(self, error: BaseException) -> None:
-        _fail_loops(self._dispatcher, error)
+        fail_loops(self._dispatcher, error)
         for bridge in self._dispatcher.bridges():
             with contextlib.suppress(RuntimeError):
                 bridge.loop.call_soon_threadsafe(bridge.task.cancel)
@@ -559,57 +536,6 @@ class Engine:
             raise EngineClosedError("the engine is closed")
 
 
-@dataclass(frozen=True, slots=True)
-class _Prompt:
-    """Where a request's prompt comes from, and the field named when it is bad."""
-
-    make: Callable[[], Prompt]
-    add_special_tokens: bool
-    param: str
-    # Characters of text to render and tokenize (0 for token ids): past
-    # ``max_inline_prompt_chars`` that work runs on a worker thread.
-    size: int
-
-
 def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
     base = params if params is not None else SamplingParams()
     return base.with_overrides(**overrides) if overrides else base
-
-
-def _chat_size(messages: Sequence[dict[str, Any]]) -> int:
-    """Characters of text in ``messages`` (string contents and text parts)."""
-    size = 0
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            size += len(content)
-        elif isinstance(content, list):
-            size += sum(
-                len(p["text"])
-                for p in content
-                if isinstance(p, dict) and isinstance(p.get("text"), str)
-            )
-    return size
-
-
-def _fail_loops(dispatcher: OutputDispatcher, error: BaseException) -> None:
-    """End every stream on every loop with ``error``, each on its own loop."""
-    for bridge in dispatcher.bridges():
-        with contextlib.suppress(RuntimeError):
-            bridge.loop.call_soon_threadsafe(bridge.fail_all, error)
-
-
-def _fail_engine(
-    dispatcher: OutputDispatcher, handle: CoreHandle, cause: BaseException
-) -> EngineDeadError:
-    """An output handler failed: mark the engine failed, end every stream on every loop with
-    ``EngineDeadError``, and stop the engine thread (it frees every request's blocks)."""
-    error = EngineDeadError(f"the output handler failed: {type(cause).__name__}")
-    error.__cause__ = cause
-    if dispatcher.fatal_error is None:
-        dispatcher.fatal_error = cause
-    _fail_loops(dispatcher, error)
-    core = handle.core
-    if core is not None:
-        core.shutdown()
-    return error

@@ -1,0 +1,58 @@
+"""The engine's worker threads for work that grows with one request (DESIGN invariant 12):
+rendering and tokenizing large prompts, and compiling grammars. Off the event loop, so no
+request stalls the others, and off the engine thread, which only runs steps."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from inlinelm.errors import EngineClosedError
+
+T = TypeVar("T")
+
+
+class Workers:
+    """Two small thread pools, started on first use and stopped by :meth:`close`:
+    ``inlinelm-tokenize`` (two threads) and ``inlinelm-grammar`` (``grammar_threads``)."""
+
+    def __init__(self, grammar_threads: int) -> None:
+        self._grammar_threads = grammar_threads
+        self._lock = threading.Lock()
+        self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+        self._closed = False
+
+    async def tokenize(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on a tokenizer thread, awaited on the running loop."""
+        return await self._run("tokenize", 2, fn, *args)
+
+    async def compile(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on a grammar-compiler thread, awaited on the running loop."""
+        return await self._run("grammar", self._grammar_threads, fn, *args)
+
+    def close(self) -> None:
+        """Stop every thread (waiting for the work in hand; queued work is cancelled)."""
+        with self._lock:
+            self._closed = True
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    async def _run(self, name: str, threads: int, fn: Callable[..., T], *args: object) -> T:
+        pool = self._pool(name, threads)
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def _pool(self, name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("the engine is closed")
+            pool = self._pools.get(name)
+            if pool is None:
+                pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=threads, thread_name_prefix=f"inlinelm-{name}"
+                )
+                self._pools[name] = pool
+            return pool

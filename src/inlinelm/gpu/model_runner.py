@@ -8,8 +8,6 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,13 +31,13 @@ from inlinelm.gpu.kv_cache import (
 )
 from inlinelm.gpu.model_config import ModelConfig
 from inlinelm.gpu.sampler import (
-    LogprobsTensors,
     Sampler,
     SamplerOutput,
     flashinfer_sampling,
     to_token_logprobs,
 )
 from inlinelm.gpu.sampling_metadata import SamplingMetadata
+from inlinelm.gpu.step_output import StepInFlight, start_host_copy
 from inlinelm.gpu.weights import load_model
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -124,7 +122,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._graphs_built = False
         self._last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
-        self._in_flight: deque[_StepInFlight] = deque()
+        self._in_flight: deque[StepInFlight] = deque()
         self._grammar_masks = GrammarMasks(config.max_num_seqs, self.device)
 
     def _profile_gpu_memory(self, free_at_start: int | None) -> GpuMemoryUse | None:
@@ -262,8 +260,7 @@ class ModelRunner:
         """Wait for the oldest submitted step; return its tokens and record them in the
         rows that still belong to the same requests."""
         step = self._in_flight.popleft()
-        if step.ready is not None:
-            step.ready.synchronize()  # NOTE: releases the GIL while it waits
+        step.wait()
         sampled = step.sampled.numpy()
         live = [
             i
@@ -384,10 +381,10 @@ class ModelRunner:
 
     def _sample(
         self, batch: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
-    ) -> _StepInFlight:
+    ) -> StepInFlight:
         requests = [batch.scheduled[int(i)].request for i in inputs.sampling_positions]
         if not requests:
-            return _StepInFlight([], inputs.sampling_rows, torch.empty(0, dtype=torch.int64))
+            return StepInFlight([], inputs.sampling_rows, torch.empty(0, dtype=torch.int64))
         meta = SamplingMetadata.build(
             [r.params for r in requests],
             [r.prompt_token_ids for r in requests],
@@ -407,13 +404,8 @@ class ModelRunner:
         out = self.sampler(logits, meta)
         sampled = out.sampled.long()
         self._last_sampled.index_copy_(0, self._to_device(inputs.sampling_rows), sampled)
-        return _StepInFlight(
-            requests,
-            inputs.sampling_rows,
-            self._to_host(sampled),
-            None if out.logprobs is None else _logprobs_to_host(out.logprobs, self._to_host),
-            meta.num_logprobs,
-            self._record_event(),
+        return start_host_copy(
+            requests, inputs.sampling_rows, sampled, out.logprobs, meta.num_logprobs
         )
 
     def _count_tokens_in_flight(
@@ -427,21 +419,6 @@ class ModelRunner:
                 torch.tensor(behind, device=self.device),
                 self._last_sampled.index_select(0, device_rows),
             )
-
-    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Start copying ``tensor`` to (pinned) host memory; wait on the step's event."""
-        if self.device.type != "cuda":
-            return tensor
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        return host
-
-    def _record_event(self) -> torch.cuda.Event | None:
-        if self.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch stub
-        event.record()
-        return event
 
     def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """Ban EOS and stop tokens for rows that have not reached ``min_tokens`` yet.
@@ -540,29 +517,6 @@ def _close_part(part: object) -> None:
     close = getattr(part, "close", None)
     if callable(close):
         close()
-
-
-@dataclass(slots=True)
-class _StepInFlight:
-    """A submitted step: its sampling requests and rows, and its ids on their way to the host."""
-
-    requests: list[Request]
-    rows: IntArray
-    sampled: torch.Tensor  # [len(requests)] int64 on the host (pinned on CUDA)
-    logprobs: LogprobsTensors | None = None
-    num_logprobs: list[int | None] = field(default_factory=list)
-    ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
-
-
-def _logprobs_to_host(
-    lp: LogprobsTensors, to_host: Callable[[torch.Tensor], torch.Tensor]
-) -> LogprobsTensors:
-    return LogprobsTensors(
-        to_host(lp.sampled_logprobs),
-        to_host(lp.sampled_ranks),
-        to_host(lp.top_token_ids),
-        to_host(lp.top_logprobs),
-    )
 
 
 def _num_cores() -> int:

@@ -1,0 +1,65 @@
+"""A submitted step's sampled ids (and logprobs) on their way to the host.
+
+On CUDA they are copied into pinned host memory without blocking, and an event recorded
+after the copies tells :meth:`StepInFlight.wait` when they landed (its wait releases the
+GIL). On the CPU the tensors are the host's already.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from inlinelm.gpu.input_batch import IntArray
+from inlinelm.gpu.sampler import LogprobsTensors
+from inlinelm.sched.request import Request
+
+
+@dataclass(slots=True)
+class StepInFlight:
+    """A submitted step: its sampling requests and rows, and its ids on their way to the host."""
+
+    requests: list[Request]
+    rows: IntArray
+    sampled: torch.Tensor  # [len(requests)] int64 on the host (pinned on CUDA)
+    logprobs: LogprobsTensors | None = None
+    num_logprobs: list[int | None] = field(default_factory=list)
+    ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
+
+    def wait(self) -> None:
+        """Block until the copies landed (a no-op on the CPU)."""
+        if self.ready is not None:
+            self.ready.synchronize()  # NOTE: releases the GIL while it waits
+
+
+def start_host_copy(
+    requests: list[Request],
+    rows: IntArray,
+    sampled: torch.Tensor,
+    logprobs: LogprobsTensors | None,
+    num_logprobs: list[int | None],
+) -> StepInFlight:
+    """Start copying a step's samples to the host; the returned record waits for them."""
+    cuda = sampled.device.type == "cuda"
+    host_logprobs = None
+    if logprobs is not None:
+        host_logprobs = LogprobsTensors(
+            _to_host(logprobs.sampled_logprobs, cuda),
+            _to_host(logprobs.sampled_ranks, cuda),
+            _to_host(logprobs.top_token_ids, cuda),
+            _to_host(logprobs.top_logprobs, cuda),
+        )
+    step = StepInFlight(requests, rows, _to_host(sampled, cuda), host_logprobs, num_logprobs)
+    if cuda:
+        step.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch stub
+        step.ready.record()
+    return step
+
+
+def _to_host(tensor: torch.Tensor, cuda: bool) -> torch.Tensor:
+    if not cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

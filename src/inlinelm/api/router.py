@@ -384,10 +384,7 @@ class OpenAIEndpoints:
         The engine's reason quotes the error's message, which may hold internals (paths,
         device details); clients get the class, the server log has the rest.
         """
-        ok, reason = self.engine.health()
-        if reason.startswith("dead: "):
-            reason = "dead: " + reason.removeprefix("dead: ").split(":", 1)[0]
-        return ok, reason
+        return self.engine.health(detail=False)
 
     def _limits(self) -> Limits:
         config = self.engine.config

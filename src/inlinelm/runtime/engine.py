@@ -152,13 +152,18 @@ class Engine:
         """True once the model is loaded and warm and the engine thread runs."""
         return self._loaded is not None and not self._closed
 
-    def health(self) -> tuple[bool, str]:
-        """``(True, "ok")``, or ``(False, reason)`` when closed, dead or stuck in a step."""
+    def health(self, *, detail: bool = True) -> tuple[bool, str]:
+        """``(True, "ok")``, or ``(False, reason)`` when closed, dead or stuck in a step.
+
+        A death's reason names the error's class and, with ``detail``, its message (which
+        may hold internals: an HTTP server shows clients the class only).
+        """
         if self._closed:
             return False, "closed"
         error = self._dispatcher.fatal_error
         if error is not None:
-            return False, f"dead: {type(error).__name__}: {error}"
+            cause = type(error).__name__
+            return False, f"dead: {cause}: {error}" if detail else f"dead: {cause}"
         loaded = self._loaded
         if loaded is None:
             return False, "starting"

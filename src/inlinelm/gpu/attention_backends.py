@@ -39,38 +39,30 @@ def select_attention_backend(
         )
     if name == "torch":
         return "torch"
-    if device.type != "cuda":
-        if name == "flashinfer":
-            raise RequestError(
-                f"attention_backend 'flashinfer' needs a CUDA device, not {device.type!r}",
-                param="attention_backend",
-            )
-        return "torch"
-    if dtype not in FLASHINFER_DTYPES:
-        if name == "flashinfer":
-            raise RequestError(
-                f"attention_backend 'flashinfer' needs dtype bfloat16 or float16, not {dtype}",
-                param="attention_backend",
-            )
-        return "torch"
-    if head_dim not in FLASHINFER_HEAD_DIMS:
-        if name == "flashinfer":
-            raise RequestError(
-                f"attention_backend 'flashinfer' needs a head dim in {FLASHINFER_HEAD_DIMS}, "
-                f"not {head_dim}",
-                param="attention_backend",
-            )
-        return "torch"
-    error = _flashinfer_import_error()
-    if error is None:
+    why_not = _why_not_flashinfer(device, dtype, head_dim)
+    if why_not is None:
         return "flashinfer"
     if name == "flashinfer":
-        raise RequestError(
-            f"attention_backend 'flashinfer' cannot import flashinfer ({error}); "
-            "install the 'gpu' extra (flashinfer-python) or use 'torch'",
-            param="attention_backend",
-        )
+        raise RequestError(f"attention_backend 'flashinfer' {why_not}", param="attention_backend")
     return "torch"
+
+
+def _why_not_flashinfer(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FlashInfer cannot run this model here, or None when it can (the import is tried
+    last, and only on CUDA)."""
+    if device.type != "cuda":
+        return f"needs a CUDA device, not {device.type!r}"
+    if dtype not in FLASHINFER_DTYPES:
+        return f"needs dtype bfloat16 or float16, not {dtype}"
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        return f"needs a head dim in {FLASHINFER_HEAD_DIMS}, not {head_dim}"
+    error = _flashinfer_import_error()
+    if error is not None:
+        return (
+            f"cannot import flashinfer ({error}); "
+            "install the 'gpu' extra (flashinfer-python) or use 'torch'"
+        )
+    return None
 
 
 def make_attention_backend(

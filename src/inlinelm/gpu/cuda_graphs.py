@@ -164,15 +164,8 @@ class FlashInferGraphAttention:
             host.kv_indptr,
             on_device.kv_indices,
             host.kv_last_page_len,
-            b.num_heads,
-            b.num_kv_heads,
-            b.head_dim,
-            self.block_size,
-            pos_encoding_mode="NONE",
-            sm_scale=b.scale,
-            q_data_type=b.dtype,
-            kv_data_type=b.dtype,
-            non_blocking=True,
+            *b.plan_shape(self.block_size),
+            **b.plan_options(),
         )
         self._planned = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch stub
         self._planned.record()

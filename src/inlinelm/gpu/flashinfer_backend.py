@@ -93,15 +93,8 @@ class FlashInferAttention:
                 host.kv_indptr,
                 device.kv_indices,
                 host.kv_last_page_len,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                block_size,
-                pos_encoding_mode="NONE",
-                sm_scale=self.scale,
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-                non_blocking=True,
+                *self.plan_shape(block_size),
+                **self.plan_options(),
             )
             return
         self._prefill.plan(
@@ -109,17 +102,24 @@ class FlashInferAttention:
             host.kv_indptr,
             device.kv_indices,
             host.kv_last_page_len,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            block_size,
+            *self.plan_shape(block_size),
             causal=True,
-            pos_encoding_mode="NONE",
-            sm_scale=self.scale,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-            non_blocking=True,
+            **self.plan_options(),
         )
+
+    def plan_shape(self, block_size: int) -> tuple[int, int, int, int]:
+        """The positional shape arguments every wrapper's ``plan`` takes after the table."""
+        return self.num_heads, self.num_kv_heads, self.head_dim, block_size
+
+    def plan_options(self) -> dict[str, Any]:
+        """The keyword arguments every wrapper's ``plan`` takes (RoPE is the model's)."""
+        return {
+            "pos_encoding_mode": "NONE",
+            "sm_scale": self.scale,
+            "q_data_type": self.dtype,
+            "kv_data_type": self.dtype,
+            "non_blocking": True,
+        }
 
     def forward(
         self,

@@ -90,7 +90,7 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     async for chunk in request.stream():
         body += chunk
         if len(body) > max_bytes:
-            raise _too_large(max_bytes)
+            raise too_large(max_bytes)
     try:
         return json.loads(body)
     except RecursionError:
@@ -106,7 +106,7 @@ def _check_declared_length(declared: str | None, max_bytes: int) -> None:
     if not (declared.isascii() and declared.isdigit()):
         raise bad_request("Content-Length must be a non-negative integer", code="invalid_header")
     if len(declared) > len(str(max_bytes)) or int(declared) > max_bytes:
-        raise _too_large(max_bytes)
+        raise too_large(max_bytes)
 
 
 def parse_chat(data: Any, limits: Limits) -> ChatRequest:
@@ -386,7 +386,8 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT_MAX
 
 
-def _too_large(max_bytes: int) -> APIError:
+def too_large(max_bytes: int) -> APIError:
+    """The 413 for a body past ``max_bytes`` (also what a routing ingress answers)."""
     return APIError(
         413,
         f"request body is larger than {max_bytes} bytes",

@@ -1,0 +1,297 @@
+"""Many engines behind one OpenAI endpoint, on Ray Serve (``pip install 'inlinelm[ray]'``).
+
+Each Serve replica of :class:`EngineServer` embeds one :class:`~inlinelm.Engine` and serves
+:func:`~inlinelm.api.create_app` through Serve's ASGI integration, exactly as an app would
+in one process. Serve does the HTTP ingress, the replicas, autoscaling and restarts; what
+inlinelm adds is what a generic balancer cannot know:
+
+- **Prefix-aware routing** (``routing="prefix"``, the default): a thin
+  :class:`PrefixIngress` reads each request's body, takes its prompt's prefix key
+  (:func:`~inlinelm.serve.prefix.prefix_key`), and forwards it through a deployment handle
+  whose :class:`~inlinelm.serve.ray_router.PrefixAffinityRouter` sends every request that
+  shares the key to one replica (within a load bound), so its prefix cache holds the
+  shared prompt once. ``routing="serve"`` serves the engine deployment directly behind
+  Serve's proxy and its default (power-of-two-choices) routing.
+- **Health**: a replica whose engine is dead, stuck or closed fails Serve's health check
+  (:meth:`EngineServer.check_health`), so Serve replaces it.
+- **Load**: each replica reports its engine's queued and running requests to Serve
+  (``record_autoscaling_stats``, ``record_routing_stats``); :func:`engine_load_policy`
+  scales on them.
+
+Streaming keeps the one-process guarantees: SSE frames go out as the engine releases them;
+a client that leaves aborts its request on its replica (freeing its blocks); a bad request
+is a 400 and a full replica a 429 with ``Retry-After``, both before any 200. A replica
+that dies mid-stream ends its streams with an error frame (``replica_failed``); the other
+replica's streams go on.
+
+Three lines from an embedded engine to a Serve app::
+
+    from ray import serve
+    from inlinelm.serve.ray import build_app
+    serve.run(build_app(EngineConfig(model="default"), num_replicas=2))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+try:
+    import ray
+    from ray import serve
+    from ray.serve.config import AutoscalingContext, RequestRouterConfig
+    from ray.serve.handle import DeploymentHandle
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError(
+        "inlinelm.serve.ray needs Ray Serve: pip install 'inlinelm[ray]'"
+    ) from exc
+
+from inlinelm.api.app import create_app
+from inlinelm.api.errors import APIError
+from inlinelm.api.protocol import DEFAULT_MAX_FANOUT, DEFAULT_MAX_REQUEST_BYTES
+from inlinelm.api.router import DEFAULT_SSE_PING_S
+from inlinelm.config import EngineConfig
+from inlinelm.runtime.engine import Engine
+from inlinelm.serve.forward import ForwardedRequest, ForwardingApp, MessageBatch, serve_forwarded
+from inlinelm.serve.prefix import DEFAULT_MAX_IMBALANCE, DEFAULT_PREFIX_CHARS
+from inlinelm.serve.ray_router import PrefixAffinityRouter
+
+Routing = Literal["prefix", "serve"]
+
+# Serve's own cap on requests in flight at one replica; past it, Serve queues at the
+# handle. Ours is the engine's admission (max_queued_requests gives the 429), so Serve's
+# sits above it: running + queued of a full engine.
+_INGRESS_MAX_ONGOING = 4096
+REPLICA_HEADER = b"x-inlinelm-replica"
+
+
+@dataclass(frozen=True, slots=True)
+class ApiOptions:
+    """What :func:`~inlinelm.api.create_app` takes besides the engine."""
+
+    model_name: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    sse_ping_s: float = DEFAULT_SSE_PING_S
+    max_fanout: int = DEFAULT_MAX_FANOUT
+    api_key: str | None = None
+
+
+class EngineReplica:
+    """One Serve replica: one engine, with the OpenAI router run on forwarded requests."""
+
+    async def __init__(self, config: EngineConfig, api: ApiOptions) -> None:
+        self.engine = Engine(replica_config(config, _assigned_cpus()))
+        await self.engine.start()  # NOTE: a model that fails to load fails the replica's start
+        self.api_app = create_app(
+            self.engine,
+            model_name=api.model_name,
+            max_request_bytes=api.max_request_bytes,
+            sse_ping_s=api.sse_ping_s,
+            max_fanout=api.max_fanout,
+            api_key=api.api_key,
+        )
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+
+    async def forward(self, request: ForwardedRequest) -> AsyncIterator[MessageBatch]:
+        """Serve one request an ingress read whole; yield its response messages in batches.
+
+        The response names the replica that served it in ``x-inlinelm-replica``.
+        """
+        async for batch in serve_forwarded(self.api_app, request):
+            for message in batch:
+                if message["type"] == "http.response.start":
+                    headers = list(message.get("headers", []))
+                    headers.append((REPLICA_HEADER, self.replica_id.encode()))
+                    message["headers"] = headers
+            yield batch
+
+    def check_health(self) -> None:
+        """Serve's health check: raises when the engine is dead, stuck or closed."""
+        ok, reason = self.engine.health()
+        if not ok:
+            raise RuntimeError(f"the engine cannot serve: {reason}")
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The engine's load for :func:`engine_load_policy`."""
+        stats = self.engine.stats()
+        return {"queued": stats["num_queued"], "running": stats["num_running"]}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What this replica holds: its id, its load and its KV cache (also read by tests)."""
+        stats = self.engine.stats()
+        return {
+            "replica_id": self.replica_id,
+            "queued": stats["num_queued"],
+            "running": stats["num_running"],
+            "kv_blocks_used": stats["kv_blocks_used"],
+            "kv_blocks_total": stats["kv_blocks_total"],
+            "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+            "finished": stats["finished"],
+        }
+
+    async def __del__(self) -> None:
+        await self.engine.aclose()
+
+
+@serve.ingress()
+class EngineServer(EngineReplica):
+    """An :class:`EngineReplica` that also takes HTTP from Serve's proxy (``routing="serve"``)."""
+
+    def __serve_build_asgi_app__(self) -> Any:
+        """The ASGI app Serve's proxy sends this replica's HTTP requests to."""
+        return self.api_app
+
+
+@serve.deployment(name="InlineLMIngress", max_ongoing_requests=_INGRESS_MAX_ONGOING)
+@serve.ingress()
+class PrefixIngress:
+    """Reads each request whole, keys it by prompt prefix, and forwards it to an engine."""
+
+    def __init__(self, engines: DeploymentHandle, max_request_bytes: int, prefix_chars: int):
+        self.engines = engines.options(stream=True, method_name="forward")
+        self.max_request_bytes = max_request_bytes
+        self.prefix_chars = prefix_chars
+
+    def __serve_build_asgi_app__(self) -> Any:
+        """The ASGI app Serve's proxy sends every HTTP request to."""
+        return ForwardingApp(self._batches, self.max_request_bytes, self.prefix_chars, replica_failure)
+
+    async def _batches(self, request: ForwardedRequest) -> AsyncIterator[MessageBatch]:
+        response = self.engines.remote(request)
+        done = False
+        try:
+            async for batch in response:
+                yield batch
+            done = True
+        finally:
+            if not done:
+                response.cancel()  # NOTE: the replica's stream sees a disconnect and aborts
+
+
+def replica_failure(exc: BaseException) -> APIError:
+    """What a client is told when the replica serving it fails or dies."""
+    if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        return APIError(
+            503,
+            f"the replica serving this request stopped ({type(exc).__name__}); retry",
+            type="server_error",
+            code="replica_failed",
+            headers={"Retry-After": "1"},
+        )
+    return APIError(
+        500,
+        f"the replica serving this request failed ({type(exc).__name__})",
+        type="server_error",
+        code="replica_error",
+    )
+
+
+def build_app(
+    config: EngineConfig,
+    *,
+    num_replicas: int | Literal["auto"] = 1,
+    ray_actor_options: Mapping[str, Any] | None = None,
+    routing: Routing = "prefix",
+    max_imbalance: float = DEFAULT_MAX_IMBALANCE,
+    prefix_chars: int = DEFAULT_PREFIX_CHARS,
+    autoscaling_config: Mapping[str, Any] | None = None,
+    max_ongoing_requests: int | None = None,
+    health_check_period_s: float = 5.0,
+    num_ingress_replicas: int = 1,
+    api: ApiOptions | None = None,
+) -> serve.Application:
+    """A Serve application of ``num_replicas`` engines behind one OpenAI endpoint.
+
+    ``ray_actor_options`` default to :func:`replica_resources` (one GPU per replica on
+    CUDA, the engine's CPU threads otherwise). ``routing="prefix"`` puts a
+    :class:`PrefixIngress` in front (``max_imbalance``: requests above the mean load a
+    preferred replica may hold; ``prefix_chars``: how much of a prompt keys it);
+    ``routing="serve"`` leaves routing to Serve. ``autoscaling_config`` is Serve's (its
+    policy defaults to :func:`engine_load_policy`); ``max_ongoing_requests`` is Serve's cap
+    per replica (default: the engine's running plus queued capacity). ``api`` holds
+    :func:`~inlinelm.api.create_app`'s options.
+    """
+    api = api or ApiOptions()
+    options: dict[str, Any] = {
+        "ray_actor_options": dict(ray_actor_options or replica_resources(config)),
+        "max_ongoing_requests": max_ongoing_requests or default_max_ongoing(config),
+        "health_check_period_s": health_check_period_s,
+    }
+    if autoscaling_config is not None:
+        options["autoscaling_config"] = _with_load_policy(autoscaling_config)
+    else:
+        options["num_replicas"] = num_replicas
+    if routing == "prefix":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter,
+            request_router_kwargs={"max_imbalance": max_imbalance},
+        )
+    elif routing != "serve":
+        raise ValueError(f"routing must be 'prefix' or 'serve', got {routing!r}")
+    if routing == "serve":
+        return serve.deployment(EngineServer, name="InlineLMServer").options(**options).bind(
+            config, api
+        )
+    engines = serve.deployment(EngineReplica, name="InlineLMReplica").options(**options)
+    ingress = PrefixIngress.options(
+        num_replicas=num_ingress_replicas, ray_actor_options={"num_cpus": 0}
+    )
+    return ingress.bind(engines.bind(config, api), api.max_request_bytes, prefix_chars)
+
+
+def replica_resources(config: EngineConfig) -> dict[str, Any]:
+    """What one replica asks Ray for: a GPU on CUDA, else its engine's CPU threads."""
+    if config.device.startswith("cuda"):
+        return {"num_gpus": 1, "num_cpus": 1}
+    return {"num_cpus": config.num_threads or 1}
+
+
+def default_max_ongoing(config: EngineConfig) -> int:
+    """Serve's per-replica cap: what the engine runs plus what it queues before a 429."""
+    queued = config.max_queued_requests
+    return config.max_num_seqs + (queued if queued is not None else config.max_num_seqs)
+
+
+def replica_config(config: EngineConfig, assigned_cpus: int | None) -> EngineConfig:
+    """``config`` as one replica runs it.
+
+    On CUDA, Ray shows each replica only its own GPU, as device 0. On a CPU, an engine
+    that would use every core uses the cores Ray assigned it, so replicas sharing a
+    machine do not oversubscribe it.
+    """
+    if config.device.startswith("cuda"):
+        return replace(config, device="cuda")
+    if config.num_threads is None and assigned_cpus:
+        return replace(config, num_threads=assigned_cpus)
+    return config
+
+
+def engine_load_policy(ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
+    """Serve autoscaling on the engines' own load: queued plus running requests.
+
+    The replicas wanted are the total load over the config's ``target_ongoing_requests``,
+    kept within ``min_replicas`` and ``max_replicas``. Before any replica has reported, the
+    current target stands.
+    """
+    metrics = ctx.aggregated_metrics or {}
+    if "running" not in metrics and "queued" not in metrics:
+        return ctx.target_num_replicas, {}
+    load = sum(metrics.get("running", {}).values()) + sum(metrics.get("queued", {}).values())
+    target = ctx.config.get_target_ongoing_requests() if ctx.config is not None else 2.0
+    wanted = math.ceil(load / target) if load else ctx.capacity_adjusted_min_replicas
+    low, high = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
+    return max(low, min(high, wanted)), {}
+
+
+def _with_load_policy(autoscaling_config: Mapping[str, Any]) -> dict[str, Any]:
+    config = dict(autoscaling_config)
+    config.setdefault("policy", {"policy_function": engine_load_policy})
+    return config
+
+
+def _assigned_cpus() -> int | None:
+    """The whole CPUs Ray assigned this replica, if any."""
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+    return int(cpus) if cpus and cpus >= 1 else None

@@ -26,6 +26,8 @@ STATS_KEYS = {
     "kv_blocks_used",
     "kv_blocks_total",
     "prefix_cache_hit_rate",
+    "prefix_cache_hit_tokens",
+    "prefix_cache_queried_tokens",
     "num_steps",
     "num_merged_outputs",
     "num_coalesced_steps",
@@ -75,6 +77,9 @@ def test_stats_after_some_requests() -> None:
             assert stats["kv_blocks_used"] == 0
             assert stats["kv_blocks_total"] == engine.num_kv_blocks > 0
             assert 0.0 < stats["prefix_cache_hit_rate"] <= 1.0
+            hits, queried = stats["prefix_cache_hit_tokens"], stats["prefix_cache_queried_tokens"]
+            assert 0 < hits <= queried
+            assert stats["prefix_cache_hit_rate"] == hits / queried
             assert stats["finished"] == {"stop": 8, "length": 2, "abort": 1}
             assert stats["num_steps"] > 10
             assert stats["num_merged_outputs"] >= 0

@@ -187,6 +187,8 @@ def engine_stats(
         "prefix_cache_hit_rate": (core.num_prefix_hit_tokens / queried)
         if core and queried
         else 0.0,
+        "prefix_cache_hit_tokens": core.num_prefix_hit_tokens if core else 0,
+        "prefix_cache_queried_tokens": queried,
         "num_steps": core.num_steps if core else 0,
         "num_merged_outputs": merges,
         "num_coalesced_steps": num_coalesced_steps,

@@ -60,7 +60,7 @@ class ForwardedRequest:
             headers=tuple((bytes(k), bytes(v)) for k, v in scope.get("headers", [])),
             body=body,
             prefix_key=prefix_key,
-            client=tuple(client) if client else None,  # type: ignore[arg-type]  # (host, port)
+            client=(client[0], client[1]) if client else None,
         )
 
     def scope(self) -> Scope:

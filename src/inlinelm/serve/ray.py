@@ -36,17 +36,15 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 try:
     import ray
     from ray import serve
-    from ray.serve.config import AutoscalingContext, RequestRouterConfig
-    from ray.serve.handle import DeploymentHandle
+    from ray.serve.config import AutoscalingContext
+    from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 except ImportError as exc:  # pragma: no cover - the message is the point
-    raise ImportError(
-        "inlinelm.serve.ray needs Ray Serve: pip install 'inlinelm[ray]'"
-    ) from exc
+    raise ImportError("inlinelm.serve.ray needs Ray Serve: pip install 'inlinelm[ray]'") from exc
 
 from inlinelm.api.app import create_app
 from inlinelm.api.errors import APIError
@@ -56,7 +54,6 @@ from inlinelm.config import EngineConfig
 from inlinelm.runtime.engine import Engine
 from inlinelm.serve.forward import ForwardedRequest, ForwardingApp, MessageBatch, serve_forwarded
 from inlinelm.serve.prefix import DEFAULT_MAX_IMBALANCE, DEFAULT_PREFIX_CHARS
-from inlinelm.serve.ray_router import PrefixAffinityRouter
 
 Routing = Literal["prefix", "serve"]
 
@@ -81,7 +78,7 @@ class ApiOptions:
 class EngineReplica:
     """One Serve replica: one engine, with the OpenAI router run on forwarded requests."""
 
-    async def __init__(self, config: EngineConfig, api: ApiOptions) -> None:
+    async def __init__(self, config: EngineConfig, api: ApiOptions) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
         self.engine = Engine(replica_config(config, _assigned_cpus()))
         await self.engine.start()  # NOTE: a model that fails to load fails the replica's start
         self.api_app = create_app(
@@ -127,7 +124,8 @@ class EngineReplica:
             "running": stats["num_running"],
             "kv_blocks_used": stats["kv_blocks_used"],
             "kv_blocks_total": stats["kv_blocks_total"],
-            "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+            "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
+            "prefix_cache_queried_tokens": stats["prefix_cache_queried_tokens"],
             "finished": stats["finished"],
         }
 
@@ -144,22 +142,23 @@ class EngineServer(EngineReplica):
         return self.api_app
 
 
-@serve.deployment(name="InlineLMIngress", max_ongoing_requests=_INGRESS_MAX_ONGOING)
 @serve.ingress()
 class PrefixIngress:
     """Reads each request whole, keys it by prompt prefix, and forwards it to an engine."""
 
-    def __init__(self, engines: DeploymentHandle, max_request_bytes: int, prefix_chars: int):
+    def __init__(self, engines: DeploymentHandle[Any], max_request_bytes: int, prefix_chars: int):
         self.engines = engines.options(stream=True, method_name="forward")
         self.max_request_bytes = max_request_bytes
         self.prefix_chars = prefix_chars
 
     def __serve_build_asgi_app__(self) -> Any:
         """The ASGI app Serve's proxy sends every HTTP request to."""
-        return ForwardingApp(self._batches, self.max_request_bytes, self.prefix_chars, replica_failure)
+        return ForwardingApp(
+            self._batches, self.max_request_bytes, self.prefix_chars, replica_failure
+        )
 
     async def _batches(self, request: ForwardedRequest) -> AsyncIterator[MessageBatch]:
-        response = self.engines.remote(request)
+        response = cast("DeploymentResponseGenerator[MessageBatch]", self.engines.remote(request))
         done = False
         try:
             async for batch in response:
@@ -167,7 +166,7 @@ class PrefixIngress:
             done = True
         finally:
             if not done:
-                response.cancel()  # NOTE: the replica's stream sees a disconnect and aborts
+                response.cancel()  # type: ignore[no-untyped-call]  # NOTE: the replica's stream sees a disconnect and aborts
 
 
 def replica_failure(exc: BaseException) -> APIError:
@@ -224,19 +223,20 @@ def build_app(
     else:
         options["num_replicas"] = num_replicas
     if routing == "prefix":
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class=PrefixAffinityRouter,
-            request_router_kwargs={"max_imbalance": max_imbalance},
-        )
+        options["request_router_config"] = {
+            "request_router_class": "inlinelm.serve.ray_router:PrefixAffinityRouter",
+            "request_router_kwargs": {"max_imbalance": max_imbalance},
+        }
     elif routing != "serve":
         raise ValueError(f"routing must be 'prefix' or 'serve', got {routing!r}")
     if routing == "serve":
-        return serve.deployment(EngineServer, name="InlineLMServer").options(**options).bind(
-            config, api
-        )
-    engines = serve.deployment(EngineReplica, name="InlineLMReplica").options(**options)
-    ingress = PrefixIngress.options(
-        num_replicas=num_ingress_replicas, ray_actor_options={"num_cpus": 0}
+        server = serve.deployment(name="InlineLMServer")(EngineServer)
+        return server.options(**options).bind(config, api)
+    engines = serve.deployment(name="InlineLMReplica")(EngineReplica).options(**options)
+    ingress = serve.deployment(name="InlineLMIngress")(PrefixIngress).options(
+        num_replicas=num_ingress_replicas,
+        max_ongoing_requests=_INGRESS_MAX_ONGOING,
+        ray_actor_options={"num_cpus": 0},
     )
     return ingress.bind(engines.bind(config, api), api.max_request_bytes, prefix_chars)
 
@@ -293,5 +293,6 @@ def _with_load_policy(autoscaling_config: Mapping[str, Any]) -> dict[str, Any]:
 
 def _assigned_cpus() -> int | None:
     """The whole CPUs Ray assigned this replica, if any."""
-    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+    resources = ray.get_runtime_context().get_assigned_resources()  # type: ignore[no-untyped-call]
+    cpus = resources.get("CPU")
     return int(cpus) if cpus and cpus >= 1 else None

@@ -178,6 +178,7 @@ async def relay(
     watch = asyncio.ensure_future(_until_disconnect(receive))
     try:
         await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+        client_left = watch.done()
     finally:
         for task in (pump, watch):
             task.cancel()
@@ -186,8 +187,8 @@ async def relay(
         if aclose is not None:
             with suppress(Exception):
                 await aclose()
-    error = pump.exception() if pump.done() and not pump.cancelled() else None
-    if error is not None and not watch.done():
+    error = pump.exception() if not pump.cancelled() else None
+    if error is not None and not client_left:
         await _send_failure(send, relayed, on_failure(error))
 
 

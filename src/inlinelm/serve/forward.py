@@ -38,7 +38,8 @@ class ForwardedRequest:
     """One HTTP request, read whole, on its way to the replica that serves it.
 
     ``prefix_key`` is what a prefix-aware router routes it by (see
-    :func:`inlinelm.serve.prefix.prefix_key`); the replica ignores it.
+    :func:`inlinelm.serve.prefix.prefix_key`); the replica ignores it. As in ASGI, ``path``
+    includes ``root_path``, the prefix the app is mounted under.
     """
 
     method: str
@@ -48,6 +49,7 @@ class ForwardedRequest:
     body: bytes = b""
     prefix_key: str | None = None
     client: tuple[str, int] | None = None
+    root_path: str = ""
 
     @classmethod
     def from_scope(cls, scope: Scope, body: bytes, prefix_key: str | None) -> ForwardedRequest:
@@ -61,6 +63,7 @@ class ForwardedRequest:
             body=body,
             prefix_key=prefix_key,
             client=(client[0], client[1]) if client else None,
+            root_path=scope.get("root_path", ""),
         )
 
     def scope(self) -> Scope:
@@ -73,7 +76,7 @@ class ForwardedRequest:
             "scheme": "http",
             "path": self.path,
             "raw_path": self.path.encode(),
-            "root_path": "",
+            "root_path": self.root_path,
             "query_string": self.query_string,
             "headers": [list(h) for h in self.headers],
             "client": self.client,

@@ -42,6 +42,7 @@ try:
     import ray
     from ray import serve
     from ray.serve.config import AutoscalingContext
+    from ray.serve.exceptions import BackPressureError
     from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("inlinelm.serve.ray needs Ray Serve: pip install 'inlinelm[ray]'") from exc
@@ -170,7 +171,19 @@ class PrefixIngress:
 
 
 def replica_failure(exc: BaseException) -> APIError:
-    """What a client is told when the replica serving it fails or dies."""
+    """What a client is told when its request cannot be served by a replica.
+
+    Serve refusing it (every replica full and the handle's queue too) is a 429, like a
+    full engine; a replica that died or cannot be reached is a 503; both say when to retry.
+    """
+    if isinstance(exc, BackPressureError):
+        return APIError(
+            429,
+            "every replica is full; retry later",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
     if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
         return APIError(
             503,
@@ -209,13 +222,21 @@ def build_app(
     preferred replica may hold; ``prefix_chars``: how much of a prompt keys it);
     ``routing="serve"`` leaves routing to Serve. ``autoscaling_config`` is Serve's (its
     policy defaults to :func:`engine_load_policy`); ``max_ongoing_requests`` is Serve's cap
-    per replica (default: the engine's running plus queued capacity). ``api`` holds
+    per replica (default: the engine's running plus queued capacity, so Serve spills to
+    another replica rather than overfill one). With the engine's ``max_queued_requests``
+    set, Serve queues as many per handle and answers past them with a 429 and
+    ``Retry-After``; without it, nothing is refused. ``api`` holds
     :func:`~inlinelm.api.create_app`'s options.
     """
     api = api or ApiOptions()
+    queued = config.max_queued_requests
     options: dict[str, Any] = {
         "ray_actor_options": dict(ray_actor_options or replica_resources(config)),
         "max_ongoing_requests": max_ongoing_requests or default_max_ongoing(config),
+        # NOTE: with a bounded engine queue, Serve's own queue is bounded too, and what it
+        # refuses is a 429 with Retry-After, as a full engine's refusal is.
+        "max_queued_requests": queued if queued is not None else -1,
+        "backpressure_config": {"status_code": 429, "retry_after_s": 1},
         "health_check_period_s": health_check_period_s,
     }
     if autoscaling_config is not None:

@@ -105,6 +105,9 @@ def test_unknown_and_abbreviated_flags_get_the_serve_usage(
         (["serve", "--model", "/nope"], "model '/nope' does not exist"),
         (["serve", "--runner", "echo", "--max-num-seqs", "0"], "max_num_seqs must be a positive"),
         (["serve", "--device", "tpu"], "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        (["serve", "--replicas", "2"], "--replicas and --routing need --ray"),
+        (["serve", "--routing", "serve"], "--replicas and --routing need --ray"),
+        (["serve", "--ray", "--replicas", "0"], "--replicas must be at least 1"),
     ],
 )
 def test_a_model_or_option_that_cannot_work_is_one_line_and_a_failure(
@@ -154,8 +157,8 @@ def test_python_m_inlinelm_serve_streams_a_chat_and_logs_each_request() -> None:
     assert "finish=length" in log
 
 
-def _wait_until_serving(url: str, process: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 60
+def _wait_until_serving(url: str, process: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert process.poll() is None, "the server exited"
         try:

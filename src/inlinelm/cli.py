@@ -21,7 +21,7 @@ from typing import Any
 from inlinelm.api.protocol import DEFAULT_MAX_FANOUT, DEFAULT_MAX_REQUEST_BYTES
 from inlinelm.api.router import DEFAULT_SSE_PING_S
 from inlinelm.config import EngineConfig
-from inlinelm.errors import InlineLMError
+from inlinelm.errors import ConfigError, InlineLMError
 from inlinelm.gpu.model_files import check_model, default_model_path
 
 API_KEY_ENV = "INLINELM_API_KEY"
@@ -100,6 +100,12 @@ def check_serve(args: argparse.Namespace) -> None:
     loaded."""
     from inlinelm.runtime.loader import check_device
 
+    if not args.ray and (args.replicas != 1 or args.routing != "prefix"):
+        raise ConfigError("--replicas and --routing need --ray", option="ray")
+    if args.replicas < 1:
+        raise ConfigError(f"--replicas must be at least 1, got {args.replicas}", option="replicas")
+    if args.ray:
+        check_ray()
     config = engine_config(args)
     if config.runner == "echo" and config.model == "default":
         return
@@ -109,6 +115,14 @@ def check_serve(args: argparse.Namespace) -> None:
         check_model(config.model)
     if config.runner == "model":
         check_device(config.device)
+
+
+def check_ray() -> None:
+    """``--ray`` without Ray Serve installed is a ``ConfigError`` naming the extra."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("--ray needs Ray Serve: pip install 'inlinelm[ray]'", option="ray")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,6 +189,25 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         help="keep-alive ping interval of idle streams, 0 for none (default: %(default)s)",
     )
     group.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve on Ray Serve: a local Ray instance, or the cluster at $RAY_ADDRESS "
+        "(needs pip install 'inlinelm[ray]')",
+    )
+    group.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engine replicas on Ray Serve, each with its own engine (default: %(default)s; needs --ray)",
+    )
+    group.add_argument(
+        "--routing",
+        choices=["prefix", "serve"],
+        default="prefix",
+        help="on Ray Serve: route requests sharing a prompt prefix to one replica, or let "
+        "Serve spread them (default: %(default)s; needs --ray)",
+    )
+    group.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -211,7 +244,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run uvicorn on :func:`~inlinelm.api.create_app` until interrupted."""
+    """Run uvicorn on :func:`~inlinelm.api.create_app` until interrupted (or Ray Serve)."""
     import uvicorn
 
     from inlinelm.api import create_app
@@ -220,6 +253,8 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.ray:
+        return serve_on_ray(args)
     app = create_app(
         engine_config(args),
         model_name=args.served_model_name,
@@ -230,6 +265,22 @@ def serve(args: argparse.Namespace) -> int:
     )
     # NOTE: uvloop and httptools: the loop keeps up with hundreds of streams (benchmarks/README.md).
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **uvicorn_options())
+    return 0
+
+
+def serve_on_ray(args: argparse.Namespace) -> int:
+    """``serve --ray``: :func:`~inlinelm.serve.ray.build_app` run until interrupted."""
+    from inlinelm.serve.ray import ApiOptions, build_app, run
+
+    api = ApiOptions(
+        model_name=args.served_model_name,
+        max_request_bytes=args.max_request_bytes,
+        sse_ping_s=args.sse_ping_s,
+        max_fanout=args.max_fanout,
+        api_key=api_key(args, os.environ),
+    )
+    app = build_app(engine_config(args), num_replicas=args.replicas, routing=args.routing, api=api)
+    run(app, host=args.host, port=args.port)
     return 0
 
 

@@ -9,10 +9,8 @@ response names its replica in ``x-inlinelm-replica``.
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,25 +20,11 @@ import openai
 import orjson
 import pytest
 
-try:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # NOTE: Ray's own import-time deprecation warnings
-        import ray
-        from ray import serve
-except ImportError:
-    if os.environ.get("CI"):
-        raise  # NOTE: make test installs the ray extra; CI must run these tests
-    pytest.skip("ray is not installed (pip install 'inlinelm[ray]')", allow_module_level=True)
-
 from inlinelm.config import EngineConfig
 from inlinelm.serve.ray import ApiOptions, build_app
+from tests.serve.ray_import import RAY_MARKS, ray, serve
 
-pytestmark = [
-    pytest.mark.ray,
-    pytest.mark.timeout(600),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
-]
+pytestmark = [*RAY_MARKS, pytest.mark.timeout(600)]
 
 APP = "llm"
 STEP_S = 0.01

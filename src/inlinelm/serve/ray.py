@@ -34,6 +34,7 @@ Three lines from an embedded engine to a Serve app::
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
@@ -130,8 +131,11 @@ class EngineReplica:
             "finished": stats["finished"],
         }
 
-    async def __del__(self) -> None:
-        await self.engine.aclose()
+    def __del__(self) -> None:
+        """Serve's shutdown hook for a replica: stop the engine thread and free its memory."""
+        engine = getattr(self, "engine", None)  # NOTE: absent when the constructor failed
+        if engine is not None:
+            engine.close()
 
 
 @serve.ingress()
@@ -317,3 +321,26 @@ def _assigned_cpus() -> int | None:
     resources = ray.get_runtime_context().get_assigned_resources()  # type: ignore[no-untyped-call]
     cpus = resources.get("CPU")
     return int(cpus) if cpus and cpus >= 1 else None
+
+
+def run(app: serve.Application, *, host: str, port: int, name: str = "inlinelm") -> None:
+    """Serve ``app`` on ``host:port`` until interrupted (``inlinelm serve --ray``).
+
+    Ray is the cluster at ``RAY_ADDRESS`` when that is set (``ray start --head`` on a
+    machine, or KubeRay), else a new local instance on this machine. An interrupt deletes
+    the app; a local instance is then shut down, a cluster's Serve is left running (where
+    a Serve already runs, its own HTTP address stands and ``host``/``port`` are not applied).
+    """
+    local = not os.environ.get("RAY_ADDRESS")
+    ray.init()
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(app, name=name, route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if local:
+            serve.shutdown()  # type: ignore[no-untyped-call]  # unannotated in ray
+        else:
+            serve.delete(name)
+        ray.shutdown()

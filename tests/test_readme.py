@@ -2,7 +2,8 @@
 
 - Each fenced ``python`` block runs as a file of its own in a fresh interpreter, as
   ``__main__``. A block that leaves an ``app`` behind (a Starlette app) is then served one
-  chat completion through Starlette's test client, lifespan included. A block that talks
+  chat completion through Starlette's test client, lifespan included; a Ray Serve ``app``
+  is run on a local Ray instance and served one over HTTP. A block that talks
   to ``127.0.0.1:8000`` (the port ``make serve`` uses) gets a server of its own, with the
   port rewritten.
 - Blocks fenced as ``python notebook`` (top-level ``await``) run in order as the cells of
@@ -55,7 +56,28 @@ _SCRIPT_DRIVER = """
 import runpy, sys
 namespace = runpy.run_path(sys.argv[1], run_name="__main__")
 app = namespace.get("app")
-if app is not None:
+if type(app).__module__.startswith("ray.serve"):  # a Serve application: run it on local Ray
+    import socket, warnings
+    import httpx
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import ray
+        from ray import serve
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app, name="readme", route_prefix="/")
+        body = {"model": "default", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        print("serve app answered:", repr(reply.json()["choices"][0]["message"]["content"]))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+elif app is not None:
     from starlette.routing import Mount
     from starlette.testclient import TestClient
 

@@ -198,14 +198,14 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         "--replicas",
         type=int,
         default=1,
-        help="engine replicas on Ray Serve, each with its own engine (default: %(default)s; needs --ray)",
+        help="engine replicas on Ray Serve, each with its own engine; needs --ray (default: %(default)s)",
     )
     group.add_argument(
         "--routing",
         choices=["prefix", "serve"],
         default="prefix",
         help="on Ray Serve: route requests sharing a prompt prefix to one replica, or let "
-        "Serve spread them (default: %(default)s; needs --ray)",
+        "Serve spread them; needs --ray (default: %(default)s)",
     )
     group.add_argument(
         "--log-level",

@@ -225,6 +225,28 @@ def test_a_full_deployment_answers_429_with_retry_after(url: str) -> None:
     assert refused.json()["error"]["code"] == "queue_full"
 
 
+def test_the_engine_deployment_serves_http_behind_serves_own_proxy(url: str) -> None:
+    """``routing="serve"``: no ingress, Serve's ASGI integration straight to the router."""
+    app = build_app(ECHO, routing="serve", ray_actor_options={"num_cpus": 0.25})
+    serve.run(app, name="direct", route_prefix="/direct")
+    try:
+        with httpx.Client(base_url=f"{url}/direct", timeout=WAIT_S) as client:
+            body = {"prompt": "straight through", "max_tokens": 50, "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = [line for line in response.iter_lines() if line]
+            health = client.get("/health")
+            metrics = client.get("/metrics")
+            bad = client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1})
+    finally:
+        serve.delete("direct")
+    text, payloads = sse_texts(lines)
+    assert text == "straight through" and len(payloads) > 2 and lines[-1] == "data: [DONE]"
+    assert health.json() == {"status": "ok"}
+    assert "inlinelm_prefix_cache_hit_rate" in metrics.text
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
 def test_killing_a_replica_fails_only_its_streams_and_serve_brings_it_back(url: str) -> None:
     """Runs last: it changes the replica set."""
     prompts = [f"survivor check {i}" for i in range(40)]

@@ -59,9 +59,8 @@ from inlinelm.serve.prefix import DEFAULT_MAX_IMBALANCE, DEFAULT_PREFIX_CHARS
 
 Routing = Literal["prefix", "serve"]
 
-# Serve's own cap on requests in flight at one replica; past it, Serve queues at the
-# handle. Ours is the engine's admission (max_queued_requests gives the 429), so Serve's
-# sits above it: running + queued of a full engine.
+# The ingress only relays, so Serve's cap on requests in flight at one ingress replica
+# (5 by default) would hold streams back at the proxy; it sits far above any engine's.
 _INGRESS_MAX_ONGOING = 4096
 REPLICA_HEADER = b"x-inlinelm-replica"
 

@@ -119,22 +119,17 @@ def test_a_model_or_option_that_cannot_work_is_one_line_and_a_failure(
     assert "Traceback" not in err
 
 
-def test_python_m_inlinelm_serve_streams_a_chat_and_logs_each_request() -> None:
+def serve_command(*flags: str) -> tuple[list[str], int]:
+    """``python -m inlinelm serve --runner echo --port P FLAGS``, with a free port P."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "inlinelm",
-        "serve",
-        "--runner",
-        "echo",
-        "--port",
-        str(port),
-        "--log-level",
-        "info",
-    ]
+    serve = [sys.executable, "-m", "inlinelm", "serve", "--runner", "echo"]
+    return [*serve, "--port", str(port), *flags], port
+
+
+def test_python_m_inlinelm_serve_streams_a_chat_and_logs_each_request() -> None:
+    command, port = serve_command("--log-level", "info")
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"

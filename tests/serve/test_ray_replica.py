@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import sys
 from typing import Any
 
 import httpx
@@ -23,7 +22,7 @@ from inlinelm.serve.ray import (
 )
 from tests.runtime.helpers import echo_engine
 from tests.serve.ray_import import RAY_MARKS, ray
-from tests.test_cli import _wait_until_serving
+from tests.test_cli import _wait_until_serving, serve_command
 
 pytestmark = RAY_MARKS
 
@@ -119,26 +118,7 @@ def test_a_client_is_told_429_when_serve_is_full_and_503_when_its_replica_died()
 def test_inlinelm_serve_ray_streams_a_chat_from_two_replicas_and_stops_on_interrupt(
     tmp_path: Any,
 ) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "inlinelm",
-        "serve",
-        "--ray",
-        "--replicas",
-        "2",
-        "--runner",
-        "echo",
-        "--num-threads",
-        "1",
-        "--port",
-        str(port),
-    ]
+    command, port = serve_command("--ray", "--replicas", "2", "--num-threads", "1")
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         url = f"http://127.0.0.1:{port}"

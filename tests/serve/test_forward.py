@@ -190,3 +190,33 @@ def test_a_replica_that_fails_before_answering_gives_the_error_as_the_response(
     response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "replica_failed"
+
+
+def test_batching_gathers_a_streams_frames_but_never_holds_its_first_token() -> None:
+    async def batches(batch_s: float) -> list[MessageBatch]:
+        app = create_app(ECHO.with_options(echo_step_s=0.002))
+        body = {"prompt": "count the frames of this echo", "max_tokens": 60, "ignore_eos": True}
+        request = ForwardedRequest(
+            "POST",
+            "/v1/completions",
+            headers=((b"content-type", b"application/json"),),
+            body=orjson.dumps({**body, "stream": True}),
+        )
+        async with app.state.engine:
+            return [b async for b in serve_forwarded(app.router, request, batch_s)]
+
+    def text_of(result: list[MessageBatch]) -> str:
+        body = b"".join(m.get("body", b"") for b in result for m in b)
+        frames = [f.removeprefix(b"data: ") for f in body.split(b"\n\n") if f]
+        assert frames[-1] == b"[DONE]"
+        return "".join(c["text"] for f in frames[:-1] for c in orjson.loads(f)["choices"])
+
+    each_step = asyncio.run(batches(0.0))
+    # NOTE: an hour: past the first two, every frame waits for the response's end, which
+    # must cut the wait short (else this test times out)
+    held = asyncio.run(batches(3600.0))
+    assert text_of(held) == text_of(each_step) != ""
+    body_batches = [b for b in held if any(m["type"] == "http.response.body" for m in b)]
+    assert len(body_batches) <= 3  # the first token, the second, then all the rest at once
+    assert len(body_batches[0]) + len(body_batches[1]) <= 4  # not held back behind them
+    assert len(each_step) > 10

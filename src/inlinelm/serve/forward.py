@@ -3,15 +3,15 @@
 A routing ingress must read a request's body to choose a replica, so it cannot hand the
 replica the client's connection; it sends a :class:`ForwardedRequest` instead. The replica
 runs its own ASGI app (the OpenAI router, unchanged) on it with :func:`serve_forwarded`,
-which yields the app's response messages in batches as they are sent; the ingress relays
+which yields the app's response messages in batches; the ingress relays
 them to its client with :func:`relay`. Nothing here knows Ray: any transport that carries
 picklable values and cancels its producer when the consumer stops will do.
 
 What crosses is ASGI's own ``http.response.start`` / ``http.response.body`` messages, so a
 400 is still a 400 before any 200, a 429 keeps its ``Retry-After``, and an SSE stream
 arrives a frame batch at a time. A batch is every message the app has sent since the last
-one was taken: one per engine step when the consumer keeps up, fewer and larger when it
-lags, so the hop costs per batch, not per frame.
+one was taken, gathered for up to ``batch_s`` once the first token is out: the hop costs
+per batch, not per frame.
 """
 
 from __future__ import annotations
@@ -84,8 +84,16 @@ class ForwardedRequest:
         }
 
 
-async def serve_forwarded(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[MessageBatch]:
+async def serve_forwarded(
+    app: ASGIApp, request: ForwardedRequest, batch_s: float = 0.0
+) -> AsyncIterator[MessageBatch]:
     """Run ``app`` on ``request``; yield its response messages, a batch at a time.
+
+    A batch is what the app has sent since the last one was taken. With ``batch_s``, each
+    batch after the first two with body chunks waits up to ``batch_s`` for more (never past
+    the response's end): a hop that costs per item (a Ray streaming call) then costs per
+    ``batch_s``, not per engine step. The first two go at once (a chat's role chunks, then
+    its first token), so the time to first token does not wait.
 
     Closing the iterator early (the client left, the ingress cancelled) tells the app its
     client disconnected and then cancels it, so a stream's ``finally`` aborts its engine
@@ -94,13 +102,18 @@ async def serve_forwarded(app: ASGIApp, request: ForwardedRequest) -> AsyncItera
     sent: asyncio.Queue[Message | None] = asyncio.Queue()
     call = _AppCall(request.body)
     task = asyncio.create_task(call.run(app, request.scope(), sent))
+    num_body_batches = 0
     try:
         while True:
             batch = [await sent.get()]
+            if batch_s > 0 and num_body_batches >= 2 and batch[0] is not None:
+                with suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(call.ended.wait(), batch_s)
             while not sent.empty():
                 batch.append(sent.get_nowait())
             ended = batch[-1] is None
             messages = [m for m in batch if m is not None]
+            num_body_batches += any(m["type"] == "http.response.body" for m in messages)
             if messages:
                 yield messages
             if ended:
@@ -115,6 +128,7 @@ class _AppCall:
     """The ``receive`` side of one app call: the body once, then a disconnect when told."""
 
     body: bytes
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
     _body_taken: bool = False
     _left: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -133,6 +147,7 @@ class _AppCall:
             await app(scope, self.receive, send)
         finally:
             sent.put_nowait(None)
+            self.ended.set()
 
     async def stop(self, task: asyncio.Task[None]) -> None:
         """End the call: a disconnect first (what a client's leaving looks like), then cancel."""

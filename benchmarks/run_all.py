@@ -26,6 +26,7 @@ BENCHMARKS: list[tuple[str, str, list[str], int]] = [
     ("detok", "detok.py", [], 90),
     ("prompt_stall", "prompt_stall.py", [], 120),
     ("e2e_cpu", "e2e_cpu.py", [], 480),
+    ("ray_scale", "ray_scale.py", [], 300),
 ]
 
 
@@ -61,6 +62,12 @@ def summary(name: str, data: dict) -> str:
             f"1 MB prompt: others' largest gap {rows['completion']['on_loop_ms']:.0f} ms on the loop, "
             f"{rows['completion']['off_loop_ms']:.0f} ms off it (floor {data['floor_ms']:.0f} ms; "
             f"chat {rows['chat']['on_loop_ms']:.0f} → {rows['chat']['off_loop_ms']:.0f} ms)"
+        )
+    if name == "ray_scale":
+        tight = {r["routing"]: r for r in data["routing"] if r["cache"] == "tight"}
+        return (
+            f"2 replicas / 1: {data['scaling']['prefix']['ratio_2_over_1']:.2f}x tokens/s; tight "
+            f"cache: hit rate prefix {tight['prefix']['hit_rate']:.0%}, serve {tight['serve']['hit_rate']:.0%}"
         )
     return "see its table"
 

@@ -82,7 +82,7 @@ from _common import (
     write_json,
 )
 from inlinelm.config import EngineConfig
-from inlinelm.serve.ray import build_app
+from inlinelm.serve.ray import DEFAULT_STREAM_BATCH_S, build_app
 
 STEP_S = 0.0045
 REPLICA_DEPLOYMENTS = ("InlineLMReplica", "InlineLMServer")
@@ -314,17 +314,23 @@ def free_port() -> int:
 
 def start_ray() -> int:
     """A local Ray instance and Serve's proxy on a free loopback port; returns the port."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # no line per deploy and delete
     return port
 
 
-def deploy(name: str, config: EngineConfig, num_replicas: int, routing: str) -> None:
+def deploy(
+    name: str, config: EngineConfig, num_replicas: int, routing: str, stream_batch_s: float
+) -> None:
     """Run the app and wait (bounded) until it is ready and all its replicas are named."""
     app = build_app(
-        config, num_replicas=num_replicas, routing=routing, ray_actor_options={"num_cpus": 1}
+        config,
+        num_replicas=num_replicas,
+        routing=routing,
+        ray_actor_options={"num_cpus": 1},
+        stream_batch_s=stream_batch_s,
     )
     errors: list[BaseException] = []
 
@@ -425,7 +431,7 @@ def scaling_run(
     port: int, args: argparse.Namespace, config: EngineConfig, num_replicas: int, routing: str
 ) -> dict[str, Any]:
     name = f"scale-{routing}-{num_replicas}"
-    deploy(name, config, num_replicas, routing)
+    deploy(name, config, num_replicas, routing, args.stream_batch_s)
     try:
         run_load(port, scaling_bodies(16, 8, f"warm-{name}"), 16)
         pids = role_pids(name)
@@ -505,7 +511,7 @@ def routing_run(
     port: int, args: argparse.Namespace, config: EngineConfig, routing: str, tag: str
 ) -> dict[str, Any]:
     name = f"route-{routing}-{tag}"
-    deploy(name, config, 2, routing)
+    deploy(name, config, 2, routing, args.stream_batch_s)
     try:
         run_load(port, scaling_bodies(8, 4, f"warm-{name}"), 8)
         pids = role_pids(name)
@@ -628,6 +634,12 @@ def main() -> None:
     parser.add_argument("--batched-tokens", type=int, default=512, help="part 2: token budget")
     parser.add_argument("--kv-blocks", type=int, default=320, help="part 2: the tight cache")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--stream-batch-s",
+        type=float,
+        default=DEFAULT_STREAM_BATCH_S,
+        help="build_app's stream_batch_s: a stream's frames gathered per Ray item (0: each step)",
+    )
     parser.add_argument("--parts", nargs="+", choices=["1", "2"], default=["1", "2"])
     parser.add_argument(
         "--caches", nargs="+", choices=["ample", "tight"], default=["ample", "tight"], help="part 2"

@@ -89,7 +89,8 @@ async def serve_forwarded(
 ) -> AsyncIterator[MessageBatch]:
     """Run ``app`` on ``request``; yield its response messages, a batch at a time.
 
-    A batch is what the app has sent since the last one was taken. With ``batch_s``, each
+    A batch is what the app has sent since the last one was taken, its body chunks joined
+    into one message. With ``batch_s``, each
     batch after the first two with body chunks waits up to ``batch_s`` for more (never past
     the response's end): a hop that costs per item (a Ray streaming call) then costs per
     ``batch_s``, not per engine step. The first two go at once (a chat's role chunks, then
@@ -112,7 +113,7 @@ async def serve_forwarded(
             while not sent.empty():
                 batch.append(sent.get_nowait())
             ended = batch[-1] is None
-            messages = [m for m in batch if m is not None]
+            messages = _joined([m for m in batch if m is not None])
             num_body_batches += any(m["type"] == "http.response.body" for m in messages)
             if messages:
                 yield messages
@@ -121,6 +122,26 @@ async def serve_forwarded(
         await task  # NOTE: raises what the app raised
     finally:
         await call.stop(task)
+
+
+def _joined(messages: list[Message]) -> list[Message]:
+    """``messages`` with each run of body chunks joined into one (one message to carry)."""
+    joined: list[Message] = []
+    for message in messages:
+        last = joined[-1] if joined else None
+        if (
+            last is not None
+            and message["type"] == last["type"] == "http.response.body"
+            and last.get("more_body", False)
+        ):
+            joined[-1] = {
+                "type": "http.response.body",
+                "body": last.get("body", b"") + message.get("body", b""),
+                "more_body": message.get("more_body", False),
+            }
+        else:
+            joined.append(message)
+    return joined
 
 
 @dataclass

@@ -64,8 +64,9 @@ Routing = Literal["prefix", "serve"]
 _INGRESS_MAX_ONGOING = 4096
 REPLICA_HEADER = b"x-inlinelm-replica"
 # A Ray streaming item costs replica and ingress a fixed CPU price; gathering a stream's
-# frames for 20 ms bounds that to 50 items a second per stream (see build_app).
-DEFAULT_STREAM_BATCH_S = 0.02
+# frames for 50 ms bounds that to 20 items a second per stream (see build_app). Ray Serve
+# LLM batches its streams over the same 50 ms by default.
+DEFAULT_STREAM_BATCH_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from inlinelm.config import EngineConfig
-from inlinelm.errors import RequestError
+from inlinelm.errors import ConfigError
 from inlinelm.gpu.echo_runner import EchoRunner
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.output import (
@@ -206,13 +206,14 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget() -> None:
 
 def test_without_chunked_prefill_max_model_len_must_fit_the_budget() -> None:
     cfg = config(max_num_batched_tokens=16, enable_chunked_prefill=False, max_model_len=32)
-    with pytest.raises(RequestError):
+    with pytest.raises(ConfigError, match="max_num_batched_tokens must be >= max_model_len"):
         Scheduler(cfg, 64, EOS)
 
 
 def test_max_model_len_must_fit_the_kv_cache() -> None:
-    with pytest.raises(RequestError):
+    with pytest.raises(ConfigError, match="needs more KV blocks") as raised:
         Scheduler(config(max_model_len=100), 10, EOS)
+    assert raised.value.option == "max_model_len"
 
 
 def test_priority_then_arrival_order_at_admission(pipelined: bool) -> None:

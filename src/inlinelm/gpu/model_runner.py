@@ -15,7 +15,7 @@ import numpy.typing as npt
 import torch
 
 from inlinelm.config import EngineConfig
-from inlinelm.errors import RequestError
+from inlinelm.errors import ConfigError
 from inlinelm.gpu.attention import AttentionMetadata
 from inlinelm.gpu.attention_backends import make_attention_backend, select_attention_backend
 from inlinelm.gpu.cuda_graphs import DecodeGraphs, make_graph_attention
@@ -56,9 +56,9 @@ def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
-        raise RequestError(
+        raise ConfigError(
             f"max_model_len {config.max_model_len} exceeds the model's limit {limit}",
-            param="max_model_len",
+            option="max_model_len",
         )
     return config.max_model_len
 

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from inlinelm.config import EngineConfig
-from inlinelm.errors import RequestError
+from inlinelm.errors import ConfigError
 from inlinelm.sched.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from inlinelm.sched.output import (
     EngineCoreOutput,
@@ -381,10 +381,10 @@ class Scheduler:
         capacity = num_kv_blocks * self.config.block_size
         resolved = self.config.max_model_len or max_model_len or capacity
         if resolved > capacity:
-            raise RequestError(
+            raise ConfigError(
                 f"max_model_len {resolved} needs more KV blocks than the {num_kv_blocks} "
-                f"available ({capacity} tokens)",
-                param="max_model_len",
+                f"available ({capacity} tokens): lower max_model_len or give the KV cache more",
+                option="max_model_len",
             )
         return resolved
 
@@ -393,9 +393,9 @@ class Scheduler:
             not self.config.enable_chunked_prefill
             and self.max_model_len > self.config.max_num_batched_tokens
         ):
-            raise RequestError(
+            raise ConfigError(
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len",
-                param="max_num_batched_tokens",
+                option="max_num_batched_tokens",
             )
 
 

@@ -431,7 +431,9 @@ def scaling_run(
     port: int, args: argparse.Namespace, config: EngineConfig, num_replicas: int, routing: str
 ) -> dict[str, Any]:
     name = f"scale-{routing}-{num_replicas}"
-    deploy(name, config, num_replicas, routing, args.stream_batch_s)
+    # NOTE: "prefix-each-step" is prefix routing with stream_batch_s=0: a Ray item per step
+    batch_s = 0.0 if routing == "prefix-each-step" else args.stream_batch_s
+    deploy(name, config, num_replicas, routing.removesuffix("-each-step"), batch_s)
     try:
         run_load(port, scaling_bodies(16, 8, f"warm-{name}"), 16)
         pids = role_pids(name)
@@ -623,9 +625,10 @@ def main() -> None:
     parser.add_argument(
         "--scaling-routing",
         nargs="+",
-        choices=["prefix", "serve"],
+        choices=["prefix", "prefix-each-step", "serve"],
         default=["prefix"],
-        help="part 1: the routings to scale (serve: Serve's proxy straight to the replicas)",
+        help="part 1: the routings to scale (serve: Serve's proxy straight to the replicas; "
+        "prefix-each-step: prefix with --stream-batch-s 0, side by side)",
     )
     parser.add_argument("--system-prompts", type=int, default=8, help="part 2")
     parser.add_argument("--turns", type=int, default=50, help="part 2: requests per prompt")

@@ -114,6 +114,16 @@ def test_a_client_is_told_429_when_serve_is_full_and_503_when_its_replica_died()
     assert (other.status, other.code) == (500, "replica_error")
 
 
+def test_a_replica_class_of_ones_own_also_takes_http_for_serves_own_routing() -> None:
+    from inlinelm.serve.ray import EngineServer, _http_server
+    from tests.serve.faulty_replica import FaultyReplica
+
+    assert _http_server(EngineReplica) is EngineServer
+    server = _http_server(FaultyReplica)
+    assert issubclass(server, FaultyReplica) and hasattr(server, "break_engine")
+    assert hasattr(server, "__serve_build_asgi_app__")
+
+
 @pytest.mark.timeout(300)
 def test_inlinelm_serve_ray_streams_a_chat_from_two_replicas_and_stops_on_interrupt(
     tmp_path: Any,

@@ -22,6 +22,7 @@ import pytest
 
 from inlinelm.config import EngineConfig
 from inlinelm.serve.ray import ApiOptions, build_app
+from tests.serve import faulty_replica
 from tests.serve.ray_import import RAY_MARKS, ray, serve
 
 pytestmark = [*RAY_MARKS, pytest.mark.timeout(600)]
@@ -64,15 +65,22 @@ def url() -> Iterator[str]:
 
 
 def replica_stats(app: str = APP) -> dict[str, dict[str, Any]]:
-    """Each engine replica's ``record_routing_stats``, by replica id."""
+    """Each live engine replica's ``record_routing_stats``, by replica id."""
     prefix = f"SERVE_REPLICA::{app}#InlineLMReplica#"
     names = [
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["namespace"] == "serve" and a["name"].startswith(prefix)
     ]
-    calls = [ray.get_actor(n, namespace="serve").record_routing_stats.remote() for n in names]
-    return {s["replica_id"]: s for s in ray.get(calls, timeout=WAIT_S)}
+    stats = {}
+    for name in names:
+        try:
+            actor = ray.get_actor(name, namespace="serve")
+            one = ray.get(actor.record_routing_stats.remote(), timeout=WAIT_S)
+        except (ValueError, ray.exceptions.RayError):
+            continue  # NOTE: a replica that is stopping (or gone) holds nothing
+        stats[one["replica_id"]] = one
+    return stats
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:
@@ -245,6 +253,32 @@ def test_the_engine_deployment_serves_http_behind_serves_own_proxy(url: str) -> 
     assert health.json() == {"status": "ok"}
     assert "inlinelm_prefix_cache_hit_rate" in metrics.text
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_replica_whose_engine_dies_fails_its_health_check_and_serve_replaces_it(
+    url: str,
+) -> None:
+    ray.cloudpickle.register_pickle_by_value(faulty_replica)  # NOTE: workers lack tests/
+    app = build_app(
+        ECHO,
+        ray_actor_options={"num_cpus": 0.25},
+        health_check_period_s=0.5,
+        replica_class=faulty_replica.FaultyReplica,
+    )
+    serve.run(app, name="faulty", route_prefix="/faulty")
+    try:
+        handle = serve.get_deployment_handle("InlineLMReplica", app_name="faulty")
+        victim = handle.break_engine.remote().result(timeout_s=WAIT_S)
+        body = {"prompt": "the last request", "max_tokens": 5}
+        failed = httpx.post(f"{url}/faulty/v1/completions", json=body, timeout=WAIT_S)
+        wait_for(lambda: running_replicas("faulty") == 1 and victim not in replica_stats("faulty"))
+        served = httpx.post(f"{url}/faulty/v1/completions", json=body, timeout=WAIT_S)
+    finally:
+        serve.delete("faulty")
+    assert failed.status_code >= 500 and failed.json()["error"]["code"] == "engine_dead"
+    assert served.status_code == 200
+    assert served.json()["choices"][0]["text"] == "the last request"
+    assert served.headers["x-inlinelm-replica"] != victim
 
 
 def test_killing_a_replica_fails_only_its_streams_and_serve_brings_it_back(url: str) -> None:

@@ -144,13 +144,29 @@ class EngineReplica:
             engine.close()
 
 
-@serve.ingress()
-class EngineServer(EngineReplica):
-    """An :class:`EngineReplica` that also takes HTTP from Serve's proxy (``routing="serve"``)."""
+class _TakesHTTP:
+    """Mixed into a replica class: Serve's proxy sends it HTTP (``routing="serve"``)."""
+
+    api_app: Any
 
     def __serve_build_asgi_app__(self) -> Any:
         """The ASGI app Serve's proxy sends this replica's HTTP requests to."""
         return self.api_app
+
+
+@serve.ingress()
+class EngineServer(_TakesHTTP, EngineReplica):
+    """An :class:`EngineReplica` that also takes HTTP from Serve's proxy (``routing="serve"``)."""
+
+
+def _http_server(replica_class: type[EngineReplica]) -> type[EngineReplica]:
+    """``replica_class`` with Serve's ASGI integration (:class:`EngineServer` for ours)."""
+    if replica_class is EngineReplica:
+        return EngineServer
+    server: type[EngineReplica] = serve.ingress()(
+        type(f"{replica_class.__name__}Server", (_TakesHTTP, replica_class), {})
+    )
+    return server
 
 
 @serve.ingress()
@@ -224,6 +240,7 @@ def build_app(
     num_ingress_replicas: int = 1,
     stream_batch_s: float = DEFAULT_STREAM_BATCH_S,
     api: ApiOptions | None = None,
+    replica_class: type[EngineReplica] = EngineReplica,
 ) -> serve.Application:
     """A Serve application of ``num_replicas`` engines behind one OpenAI endpoint.
 
@@ -239,7 +256,9 @@ def build_app(
     another replica rather than overfill one). With the engine's ``max_queued_requests``
     set, Serve queues as many per handle and answers past them with a 429 and
     ``Retry-After``; without it, nothing is refused. ``api`` holds
-    :func:`~inlinelm.api.create_app`'s options.
+    :func:`~inlinelm.api.create_app`'s options. ``replica_class`` is a subclass of
+    :class:`EngineReplica` to run instead (with methods of your own to call through a
+    handle; the tests use one to break an engine).
     """
     api = api or ApiOptions()
     queued = config.max_queued_requests
@@ -264,9 +283,9 @@ def build_app(
     elif routing != "serve":
         raise ValueError(f"routing must be 'prefix' or 'serve', got {routing!r}")
     if routing == "serve":
-        server = serve.deployment(name="InlineLMServer")(EngineServer)
+        server = serve.deployment(name="InlineLMServer")(_http_server(replica_class))
         return server.options(**options).bind(config, api)
-    engines = serve.deployment(name="InlineLMReplica")(EngineReplica).options(**options)
+    engines = serve.deployment(name="InlineLMReplica")(replica_class).options(**options)
     ingress = serve.deployment(name="InlineLMIngress")(PrefixIngress).options(
         num_replicas=num_ingress_replicas,
         max_ongoing_requests=_INGRESS_MAX_ONGOING,

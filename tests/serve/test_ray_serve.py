@@ -92,6 +92,7 @@ def wait_for(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:
 
 
 def running_replicas(app: str = APP) -> int:
+    """The engine replicas Serve reports running (``InlineLMReplica``)."""
     status = serve.status().applications[app].deployments["InlineLMReplica"]
     return int(status.replica_states.get("RUNNING", 0))
 
@@ -279,6 +280,41 @@ def test_a_replica_whose_engine_dies_fails_its_health_check_and_serve_replaces_i
     assert served.status_code == 200
     assert served.json()["choices"][0]["text"] == "the last request"
     assert served.headers["x-inlinelm-replica"] != victim
+
+
+def test_the_deployment_scales_out_on_its_engines_load(url: str) -> None:
+    autoscaling = {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "target_ongoing_requests": 4,
+        "upscale_delay_s": 0,
+        "look_back_period_s": 1,
+        "metrics_interval_s": 0.5,
+    }
+    app = build_app(ECHO, ray_actor_options={"num_cpus": 0.25}, autoscaling_config=autoscaling)
+    serve.run(app, name="auto", route_prefix="/auto")
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=f"{url}/auto", timeout=WAIT_S) as client:
+            body = {"prompt": "keep busy", "max_tokens": 4000, "ignore_eos": True}
+            load = [
+                asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(16)
+            ]
+            try:
+                deadline = time.monotonic() + WAIT_S
+                while running_replicas("auto") < 2:
+                    assert time.monotonic() < deadline, "the deployment did not scale out"
+                    await asyncio.sleep(0.1)
+            finally:
+                for request in load:
+                    request.cancel()
+                await asyncio.gather(*load, return_exceptions=True)
+
+    try:
+        assert running_replicas("auto") == 1
+        asyncio.run(main())
+    finally:
+        serve.delete("auto")
 
 
 def test_killing_a_replica_fails_only_its_streams_and_serve_brings_it_back(url: str) -> None:

@@ -7,11 +7,11 @@ to one replica computes it once. Two pure functions, with no Ray in them:
 - :func:`prefix_key` reads an OpenAI request body and returns the text its prompt is
   expected to share with others: a chat's leading system (or developer) messages, else its
   first user turn (so every turn of one conversation lands on the same replica); a
-  completion's first ``prefix_chars`` characters (or ``prefix_chars // 4`` token ids,
-  block-aligned by the caller's choice of ``prefix_chars``).
-- :func:`choose` picks a replica for a key by rendezvous hashing (highest random weight): a
-  key's preferred replica changes only when that replica goes away, so adding or losing a
-  replica moves only the keys that belonged to it. The load bound keeps one hot prefix
+  completion's first ``prefix_chars`` characters (for a prompt of token ids, its first
+  ``prefix_chars // 4`` ids: about as many tokens as that many characters hold).
+- :func:`choose` picks a replica for a key by rendezvous hashing (highest random weight):
+  adding a replica moves to it only the keys it now wins, and losing one moves only the
+  keys it held. The load bound keeps one hot prefix
   from swamping its replica: when the preferred replica holds more than ``max_imbalance``
   requests above the mean, the request goes to the least-loaded replica instead.
 """

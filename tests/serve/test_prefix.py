@@ -87,6 +87,14 @@ def test_losing_a_replica_moves_only_the_keys_it_held() -> None:
     assert moved  # the test would pass vacuously if r-b held nothing
 
 
+def test_adding_a_replica_moves_to_it_only_the_keys_it_wins() -> None:
+    keys = [f"system {i}" for i in range(300)]
+    before = {k: rank(k, ["r-a", "r-b"])[0] for k in keys}
+    after = {k: rank(k, ["r-a", "r-b", "r-c"])[0] for k in keys}
+    moved = {k for k in keys if before[k] != after[k]}
+    assert moved and all(after[k] == "r-c" for k in moved)
+
+
 def test_the_preferred_replica_is_kept_up_to_the_load_bound_then_the_least_loaded_wins() -> None:
     key = "shared system prompt"
     preferred, other = rank(key, REPLICAS)

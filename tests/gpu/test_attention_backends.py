@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from inlinelm.errors import RequestError
+from inlinelm.errors import ConfigError
 from inlinelm.gpu import attention_backends
 from inlinelm.gpu.attention import TorchAttention
 from inlinelm.gpu.attention_backends import make_attention_backend, select_attention_backend
@@ -55,16 +55,16 @@ def test_auto_on_cuda_is_flashinfer_when_it_imports() -> None:
 @pytest.mark.usefixtures("with_flashinfer")
 def test_float32_runs_the_torch_backend() -> None:
     assert select_attention_backend("auto", CUDA, torch.float32, head_dim=64) == "torch"
-    with pytest.raises(RequestError, match="needs dtype bfloat16 or float16"):
+    with pytest.raises(ConfigError, match="needs dtype bfloat16 or float16"):
         select_attention_backend("flashinfer", CUDA, torch.float32, head_dim=64)
 
 
 @pytest.mark.usefixtures("with_flashinfer")
 def test_a_head_dim_flashinfer_lacks_runs_the_torch_backend() -> None:
     assert select_attention_backend("auto", CUDA, BF16, head_dim=16) == "torch"
-    with pytest.raises(RequestError, match="needs a head dim") as info:
+    with pytest.raises(ConfigError, match="needs a head dim") as info:
         select_attention_backend("flashinfer", CUDA, BF16, head_dim=96)
-    assert info.value.param == "attention_backend"
+    assert info.value.option == "attention_backend"
 
 
 @pytest.mark.usefixtures("without_flashinfer")
@@ -74,20 +74,20 @@ def test_auto_on_cuda_falls_back_to_torch_without_flashinfer() -> None:
 
 @pytest.mark.usefixtures("without_flashinfer")
 def test_flashinfer_without_the_package_is_a_clear_error() -> None:
-    with pytest.raises(RequestError, match="cannot import flashinfer") as info:
+    with pytest.raises(ConfigError, match="cannot import flashinfer") as info:
         select_attention_backend("flashinfer", CUDA, BF16, head_dim=64)
-    assert info.value.param == "attention_backend"
+    assert info.value.option == "attention_backend"
 
 
 @pytest.mark.usefixtures("with_flashinfer")
 def test_flashinfer_off_cuda_is_a_clear_error() -> None:
-    with pytest.raises(RequestError, match="needs a CUDA device") as info:
+    with pytest.raises(ConfigError, match="needs a CUDA device") as info:
         select_attention_backend("flashinfer", CPU, BF16, head_dim=64)
-    assert info.value.param == "attention_backend"
+    assert info.value.option == "attention_backend"
 
 
 def test_unknown_backend_name_is_refused() -> None:
-    with pytest.raises(RequestError, match="auto, flashinfer, torch"):
+    with pytest.raises(ConfigError, match="auto, flashinfer, torch"):
         select_attention_backend("flash", CPU, BF16, head_dim=64)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inlinelm.config import EngineConfig
-from inlinelm.errors import RequestError
+from inlinelm.errors import ConfigError
 from inlinelm.gpu.kv_cache import (
     DEFAULT_KV_CACHE_BYTES_CAP,
     GpuMemoryUse,
@@ -29,9 +29,9 @@ def test_gpu_budget_is_the_share_of_free_memory_less_what_the_engine_holds() -> 
 
 def test_a_gpu_without_room_for_the_cache_is_a_clear_error() -> None:
     use = GpuMemoryUse(free_at_start=8 * GiB, used=6 * GiB, peak_activations=1 * GiB)
-    with pytest.raises(RequestError, match="no GPU memory left for the KV cache") as info:
+    with pytest.raises(ConfigError, match="no GPU memory left for the KV cache") as info:
         gpu_kv_cache_bytes(use, utilization=0.9, reserve=512 * MiB)
-    assert info.value.param == "gpu_memory_utilization"
+    assert info.value.option == "gpu_memory_utilization"
 
 
 def test_spec_on_a_gpu_turns_the_budget_into_blocks(tiny_model_dir: Path) -> None:

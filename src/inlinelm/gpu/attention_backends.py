@@ -14,7 +14,7 @@ from typing import Literal, get_args
 import torch
 
 from inlinelm.config import AttentionBackendName
-from inlinelm.errors import RequestError
+from inlinelm.errors import ConfigError
 from inlinelm.gpu.attention import AttentionBackend, TorchAttention
 
 AttentionBackendKind = Literal["flashinfer", "torch"]
@@ -27,15 +27,15 @@ def select_attention_backend(
 ) -> AttentionBackendKind:
     """Resolve the engine option ``name`` for a ``dtype`` model on ``device``.
 
-    Raises :class:`~inlinelm.errors.RequestError` (``param="attention_backend"``) for an
+    Raises :class:`~inlinelm.errors.ConfigError` (``option="attention_backend"``) for an
     unknown name, or for ``"flashinfer"`` off CUDA, with a float32 model, a head dim its
     kernels lack, or without an importable ``flashinfer``.
     """
     if name not in get_args(AttentionBackendName):
-        raise RequestError(
+        raise ConfigError(
             f"attention_backend must be one of {', '.join(get_args(AttentionBackendName))}, "
             f"not {name!r}",
-            param="attention_backend",
+            option="attention_backend",
         )
     if name == "torch":
         return "torch"
@@ -43,7 +43,7 @@ def select_attention_backend(
     if why_not is None:
         return "flashinfer"
     if name == "flashinfer":
-        raise RequestError(f"attention_backend 'flashinfer' {why_not}", param="attention_backend")
+        raise ConfigError(f"attention_backend 'flashinfer' {why_not}", option="attention_backend")
     return "torch"
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from inlinelm.config import EngineConfig
-from inlinelm.errors import ConfigError, RequestError
+from inlinelm.errors import ConfigError
 from inlinelm.gpu.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -54,21 +54,21 @@ def gpu_kv_cache_bytes(use: GpuMemoryUse, *, utilization: float, reserve: int) -
     """The KV-cache budget on a GPU: the engine's share of the memory free at start, less
     what it already holds, its peak activations and the CUDA-graph ``reserve``.
 
-    Raises :class:`~inlinelm.errors.RequestError` (``param="gpu_memory_utilization"``)
+    Raises :class:`~inlinelm.errors.ConfigError` (``option="gpu_memory_utilization"``)
     when nothing is left.
     """
     share = int(use.free_at_start * utilization)
     budget = share - use.used - use.peak_activations - reserve
     if budget <= 0:
         mib = 2**20
-        raise RequestError(
+        raise ConfigError(
             f"no GPU memory left for the KV cache: {share / mib:.0f} MiB allowed "
             f"(gpu_memory_utilization {utilization} of {use.free_at_start / mib:.0f} MiB free), "
             f"{use.used / mib:.0f} MiB weights and workspaces, "
             f"{use.peak_activations / mib:.0f} MiB peak activations, "
             f"{reserve / mib:.0f} MiB CUDA-graph reserve; raise gpu_memory_utilization, "
             "or lower max_num_batched_tokens or cuda_graph_memory_bytes",
-            param="gpu_memory_utilization",
+            option="gpu_memory_utilization",
         )
     return budget
 

@@ -144,6 +144,19 @@ def test_a_bad_request_is_a_400_and_a_large_body_a_413_before_anything_streams(
     assert len(replica.forwarded) == forwarded  # refused at the ingress
 
 
+def test_headers_cross_the_hop_so_the_replica_still_refuses_a_non_json_post(
+    replica: Replica, server: ServerThread
+) -> None:
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b'{"prompt": "x"}',
+        headers={"content-type": "text/plain"},
+    )
+    assert response.status_code == 415
+    sent = replica.forwarded[-1]
+    assert (b"content-type", b"text/plain") in sent.headers
+
+
 def test_a_full_replica_answers_429_with_retry_after(
     replica: Replica, server: ServerThread
 ) -> None:

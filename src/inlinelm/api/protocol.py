@@ -79,24 +79,33 @@ class CompletionRequest:
 async def read_json(request: Request, max_bytes: int) -> Any:
     """The request body parsed as JSON; 413 past ``max_bytes``, 400 when it is not JSON.
 
-    The declared ``Content-Length`` is checked first, then the bytes as they arrive, so
-    an oversized body is refused without being buffered whole. JSON that Python cannot
-    hold is not JSON here either: nesting past the recursion limit, and integers past the
-    int-from-string digit limit, are 400s too. A client that leaves while its body is
-    read raises starlette's ``ClientDisconnect``.
+    The body is read by :func:`read_body`. JSON that Python cannot hold is not JSON here
+    either: nesting past the recursion limit, and integers past the int-from-string digit
+    limit, are 400s too.
     """
-    _check_declared_length(request.headers.get("content-length"), max_bytes)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise too_large(max_bytes)
+    body = await read_body(request, max_bytes)
     try:
         return json.loads(body)
     except RecursionError:
         raise bad_request("request body is nested too deeply", code="invalid_json") from None
     except ValueError as exc:  # NOTE: JSONDecodeError, UnicodeDecodeError, int digit limit
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole request body; a 413 past ``max_bytes``.
+
+    The declared ``Content-Length`` is checked first, then the bytes as they arrive, so
+    an oversized body is refused without being buffered whole. A client that leaves while
+    its body is read raises starlette's ``ClientDisconnect``.
+    """
+    _check_declared_length(request.headers.get("content-length"), max_bytes)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise _too_large(max_bytes)
+    return bytes(body)
 
 
 def _check_declared_length(declared: str | None, max_bytes: int) -> None:
@@ -106,7 +115,7 @@ def _check_declared_length(declared: str | None, max_bytes: int) -> None:
     if not (declared.isascii() and declared.isdigit()):
         raise bad_request("Content-Length must be a non-negative integer", code="invalid_header")
     if len(declared) > len(str(max_bytes)) or int(declared) > max_bytes:
-        raise too_large(max_bytes)
+        raise _too_large(max_bytes)
 
 
 def parse_chat(data: Any, limits: Limits) -> ChatRequest:
@@ -386,8 +395,7 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT_MAX
 
 
-def too_large(max_bytes: int) -> APIError:
-    """The 413 for a body past ``max_bytes`` (also what a routing ingress answers)."""
+def _too_large(max_bytes: int) -> APIError:
     return APIError(
         413,
         f"request body is larger than {max_bytes} bytes",

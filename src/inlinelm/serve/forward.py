@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inlinelm.api.errors import APIError
-from inlinelm.api.protocol import too_large
+from inlinelm.api.protocol import read_body
 from inlinelm.api.sse import frame
 from inlinelm.serve.prefix import prefix_key
 
@@ -179,27 +180,6 @@ class _AppCall:
             await task
 
 
-async def read_body(receive: Receive, max_bytes: int) -> bytes:
-    """The whole request body, or an :class:`APIError` 413 once it passes ``max_bytes``."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientLeft
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_large(max_bytes)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-class ClientLeft(Exception):
-    """The client disconnected before its request was forwarded."""
-
-
 async def relay(
     batches: AsyncIterator[MessageBatch],
     send: Send,
@@ -297,8 +277,8 @@ class ForwardingApp:
         if scope["type"] != "http":
             return
         try:
-            body = await read_body(receive, self.max_request_bytes)
-        except ClientLeft:
+            body = await read_body(Request(scope, receive), self.max_request_bytes)
+        except ClientDisconnect:
             return
         except APIError as error:
             await _send_failure(send, _Relayed(), error)

@@ -57,9 +57,13 @@ ENGINE_HELP: dict[str, str] = {
     "step_timeout_s": "report the engine stuck (/health 503) after a step this long",
     "max_logprobs": "most top logprobs a request may ask for",
     "max_n": "most choices (n) one request may ask for",
+    "max_stop_strings": "most stop strings one request may carry; past it, a 400",
+    "max_stop_string_chars": "longest stop string (characters) a request may carry; past it, a 400",
     "max_inline_prompt_chars": "tokenize longer prompts on a worker thread, off the event loop",
-    "grammar_compile_threads": "worker threads that compile structured-output grammars",
+    "grammar_compile_threads": "structured-output grammars compiled at once (each in a child process, then here)",
+    "grammar_compile_timeout_s": "a grammar that takes longer to compile is refused (a 400)",
     "grammar_cache_size": "compiled structured-output grammars kept, keyed by kind and text",
+    "grammar_cache_bytes": "estimated memory of the compiled grammars kept (least recently used go first)",
     "default_max_tokens": "max_tokens of a request that sets none; default: the model's "
     "generation_config max_new_tokens, else 1024",
     "default_temperature": "temperature of a request that sets none; default: the model's "

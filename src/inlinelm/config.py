@@ -86,14 +86,22 @@ class EngineConfig:
     step_timeout_s: float = 60.0
     max_logprobs: int = 20
     max_n: int = 16
+    # Stop strings one request may carry, and the longest one (in characters): every one is
+    # matched against each step's text on the event loop.
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 1024
     # Prompts (or chat message texts) longer than this many characters are rendered and
     # tokenized on a worker thread instead of the event loop (a thread hop costs more than
     # it saves for short ones).
     max_inline_prompt_chars: int = 16384
-    # Structured output: worker threads that compile grammars (off the event loop and the
-    # engine thread), and how many compiled grammars are kept, keyed by (kind, text).
+    # Structured output: grammars compile in child processes first (a grammar that crashes
+    # or outruns the compiler cannot take this process down), then on worker threads here.
+    # How many compile at once, how long one may take, and how many compiled grammars are
+    # kept (by count and by their estimated memory), keyed by (kind, text).
     grammar_compile_threads: int = 2
+    grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 256
+    grammar_cache_bytes: int = 512 * 1024**2
     # Sampling defaults for requests that leave a field unset; None: the model's
     # generation_config.json, else FALLBACK_SAMPLING (see sampling_defaults).
     default_max_tokens: int | None = None
@@ -170,6 +178,9 @@ class EngineConfig:
             "max_inline_prompt_chars",
             "grammar_compile_threads",
             "grammar_cache_size",
+            "grammar_cache_bytes",
+            "max_stop_strings",
+            "max_stop_string_chars",
         )
         for name in positives:
             value = getattr(self, name)
@@ -201,6 +212,10 @@ class EngineConfig:
         if not isinstance(self.cuda_graph_memory_bytes, int) or self.cuda_graph_memory_bytes < 0:
             raise ConfigError(
                 "cuda_graph_memory_bytes must be an int >= 0", option="cuda_graph_memory_bytes"
+            )
+        if not self.grammar_compile_timeout_s > 0:
+            raise ConfigError(
+                "grammar_compile_timeout_s must be > 0", option="grammar_compile_timeout_s"
             )
         if self.echo_step_s < 0:
             raise ConfigError("echo_step_s must be >= 0", option="echo_step_s")

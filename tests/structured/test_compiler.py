@@ -11,6 +11,7 @@ import pytest
 from inlinelm.errors import RequestError
 from inlinelm.structured import StructuredOutput
 from inlinelm.structured.compiler import GrammarCompiler
+from tests.structured.conftest import make_compiler
 
 VALID = [
     StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
@@ -27,13 +28,6 @@ INVALID = [
     (StructuredOutput.grammar("start: undefined_rule"), "invalid grammar"),
     (StructuredOutput.grammar("root ::= missing"), "invalid grammar"),
 ]
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer: Any) -> GrammarCompiler:
-    import llguidance.hf
-
-    return GrammarCompiler(lambda: llguidance.hf.from_tokenizer(tokenizer), cache_size=64)
 
 
 @pytest.mark.parametrize("spec", VALID, ids=lambda s: s.kind)
@@ -67,16 +61,17 @@ def test_refused_grammar_is_a_request_error(
 
 
 def test_cache_compiles_each_text_once(tokenizer: Any) -> None:
-    import llguidance.hf
-
-    compiler = GrammarCompiler(lambda: llguidance.hf.from_tokenizer(tokenizer), cache_size=2)
-    spec = StructuredOutput.json_schema({"type": "array", "items": {"type": "boolean"}})
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(compiler.compile, [spec] * 8))
-    assert all(r is results[0] for r in results)
-    assert (compiler.stats.hits, compiler.stats.misses) == (7, 1)
-    # LRU: two more texts evict the first
-    compiler.compile(StructuredOutput.regex("a"))
-    compiler.compile(StructuredOutput.regex("b"))
-    assert compiler.compile(spec) is not results[0]
-    assert compiler.stats.misses == 4
+    compiler = make_compiler(tokenizer, cache_size=2)
+    try:
+        spec = StructuredOutput.json_schema({"type": "array", "items": {"type": "boolean"}})
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(compiler.compile, [spec] * 8))
+        assert all(r is results[0] for r in results)
+        assert (compiler.stats.hits, compiler.stats.misses) == (7, 1)
+        # LRU: two more texts evict the first
+        compiler.compile(StructuredOutput.regex("a"))
+        compiler.compile(StructuredOutput.regex("b"))
+        assert compiler.compile(spec) is not results[0]
+        assert compiler.stats.misses == 4
+    finally:
+        compiler.close()

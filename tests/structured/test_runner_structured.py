@@ -42,13 +42,6 @@ SPECS = [
 PLAIN = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def compiler(tokenizer: Any) -> GrammarCompiler:
-    import llguidance.hf
-
-    return GrammarCompiler(lambda: llguidance.hf.from_tokenizer(tokenizer), cache_size=16)
-
-
 def _mixed(tokenizer: Any, compiler: GrammarCompiler, priority: int = 0) -> list[Request]:
     """Every prompt twice: once unconstrained, once with one of ``SPECS`` (and ``priority``:
     1 makes them the first victims of preemption)."""

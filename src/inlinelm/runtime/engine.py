@@ -71,7 +71,7 @@ class Engine:
         self._handle = CoreHandle()
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._heartbeat = Heartbeat(time.perf_counter())
-        self._workers = Workers(self.config.grammar_compile_threads)
+        self._workers = Workers()
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -99,7 +99,7 @@ class Engine:
         except BaseException as e:
             self._start_future.set_exception(e)
             return
-        self._finalizer = weakref.finalize(self, loaded.core.shutdown)
+        self._finalizer = weakref.finalize(self, _shutdown, loaded)
         self._finalizer.atexit = False
         self._handle.core = loaded.core
         self._loaded = loaded
@@ -128,6 +128,7 @@ class Engine:
             if loaded is not None:
                 loaded.core.shutdown()
                 loaded.core.join()
+                loaded.grammars.close()
         self._fail_all_loops(EngineClosedError("the engine was closed"))
         self._workers.close()
         # NOTE: drop every path to the core (and so to the runner's weights and KV cache).
@@ -397,10 +398,11 @@ class Engine:
             prompt_ids = await self._workers.tokenize(self._tokenize, loaded, source)
         grammar = None
         if params.structured is not None:
-            # NOTE: invariant 12: compiled (or fetched from the cache) on a grammar worker
-            # thread before anything is queued: a bad grammar is a RequestError here, and
-            # the engine thread only ever sees a validated one.
-            grammar = await self._workers.compile(loaded.grammars.compile, params.structured)
+            # NOTE: invariant 12: compiled (or fetched from the cache) in a child process and
+            # on a grammar thread before anything is queued: a bad grammar is a RequestError
+            # here, and the engine thread only ever sees a probed one. A cancelled wait (the
+            # client left) stops the compile when nobody else waits for it.
+            grammar = await asyncio.wrap_future(loaded.grammars.submit(params.structured))
         return self._submit(loaded, prompt_ids, params, rid, arrival, source.param, grammar)
 
     def _tokenize(self, loaded: LoadedEngine, source: PromptSource) -> list[int]:
@@ -539,6 +541,13 @@ class Engine:
             raise EngineDeadError(f"the engine failed: {error!r}") from error
         if self._closed:
             raise EngineClosedError("the engine is closed")
+
+
+def _shutdown(loaded: LoadedEngine) -> None:
+    """What an Engine dropped without close() stops: the engine thread and the grammar
+    compiler's threads and child processes."""
+    loaded.core.shutdown()
+    loaded.grammars.close()
 
 
 def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:

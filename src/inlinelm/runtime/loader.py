@@ -16,6 +16,7 @@ from inlinelm.runtime.engine_core import EngineCore
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.output import EngineCoreOutputs, Runner
 from inlinelm.structured.compiler import GrammarCompiler
+from inlinelm.structured.sandbox import TokenizerSource
 
 logger = logging.getLogger("inlinelm")
 
@@ -81,16 +82,14 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
         config.block_size,
     )
     admission = Admission(tokenizer, vocab_size, max_model_len, defaults)
-    grammars = GrammarCompiler(lambda: _llg_tokenizer(tokenizer), config.grammar_cache_size)
+    grammars = GrammarCompiler(
+        lambda: TokenizerSource.from_hf(tokenizer),
+        num_slots=config.grammar_compile_threads,
+        timeout_s=config.grammar_compile_timeout_s,
+        cache_size=config.grammar_cache_size,
+        cache_bytes=config.grammar_cache_bytes,
+    )
     return LoadedEngine(core, tokenizer, max_model_len, eos, admission, grammars)
-
-
-def _llg_tokenizer(tokenizer: Any) -> Any:
-    """The llguidance view of ``tokenizer`` (its token bytes), built on first use: about a
-    second for a 49k vocabulary, paid only by an engine that sees a grammar."""
-    import llguidance.hf
-
-    return llguidance.hf.from_tokenizer(tokenizer)
 
 
 def _build_runner(

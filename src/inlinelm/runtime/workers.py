@@ -1,6 +1,7 @@
 """The engine's worker threads for work that grows with one request (DESIGN invariant 12):
-rendering and tokenizing large prompts, and compiling grammars. Off the event loop, so no
-request stalls the others, and off the engine thread, which only runs steps."""
+rendering, tokenizing and decoding large inputs. Off the event loop, so no request stalls
+the others, and off the engine thread, which only runs steps. (Grammars compile on the
+grammar compiler's own threads and child processes: :mod:`inlinelm.structured.compiler`.)"""
 
 from __future__ import annotations
 
@@ -16,11 +17,10 @@ T = TypeVar("T")
 
 
 class Workers:
-    """Two small thread pools, started on first use and stopped by :meth:`close`:
-    ``inlinelm-tokenize`` (two threads) and ``inlinelm-grammar`` (``grammar_threads``)."""
+    """A small thread pool, ``inlinelm-tokenize`` (two threads), started on first use and
+    stopped by :meth:`close`."""
 
-    def __init__(self, grammar_threads: int) -> None:
-        self._grammar_threads = grammar_threads
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
         self._closed = False
@@ -28,10 +28,6 @@ class Workers:
     async def tokenize(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on a tokenizer thread, awaited on the running loop."""
         return await self._run("tokenize", 2, fn, *args)
-
-    async def compile(self, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on a grammar-compiler thread, awaited on the running loop."""
-        return await self._run("grammar", self._grammar_threads, fn, *args)
 
     def close(self) -> None:
         """Stop every thread (waiting for the work in hand; queued work is cancelled)."""

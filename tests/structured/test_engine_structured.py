@@ -18,6 +18,7 @@ from inlinelm import Engine, SamplingParams
 from inlinelm.errors import RequestError
 from inlinelm.structured import StructuredOutput
 from tests.runtime.helpers import assert_drained, run
+from tests.structured.grammars import FAILS_LATER
 
 SCHEMAS: list[dict[str, Any]] = [
     {
@@ -236,3 +237,22 @@ def test_a_stop_string_ends_a_constrained_request_and_frees_it(engine: Engine) -
     text, reason = _text(engine, "Pattern:", free.with_overrides(stop=[stop]))
     assert (text, reason) == (cut, "stop")
     run(assert_drained(engine))
+
+
+def test_a_grammar_failing_mid_request_ends_only_that_request(engine: Engine) -> None:
+    """On the real runner: the grammar's failure after its first token is a RequestError
+    naming ``structured`` with llguidance's reason; a neighbour finishes; nothing leaks."""
+    failing = GREEDY.with_overrides(structured=StructuredOutput.grammar(FAILS_LATER))
+
+    async def main() -> None:
+        neighbour = asyncio.ensure_future(
+            engine.stream("Hello", GREEDY.with_overrides(max_tokens=8))
+        )
+        with pytest.raises(RequestError, match="grammar failed at output token") as info:
+            await engine.stream("Pattern:", failing)
+        assert info.value.param == "structured"
+        assert "Current row has" in info.value.message
+        assert (await neighbour).outputs[0].finish_reason == "length"
+        await assert_drained(engine)
+
+    run(main(), timeout=120)

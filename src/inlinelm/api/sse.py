@@ -33,7 +33,7 @@ from starlette.types import Message, Receive, Scope, Send
 from inlinelm.api.errors import from_exception
 from inlinelm.api.formats import ChoiceFormat
 from inlinelm.api.responses import ResponseHeader
-from inlinelm.errors import EngineError, RequestFailedError
+from inlinelm.errors import EngineError, RequestError, RequestFailedError
 from inlinelm.runtime.outputs import RequestOutput
 from inlinelm.sched.output import TokenLogprobs
 
@@ -232,7 +232,7 @@ def _step_frames(
 
 def _error_frame(exc: Exception, tally: StreamTally) -> bytes:
     error = from_exception(exc)
-    if not isinstance(exc, (RequestFailedError, EngineError)):
+    if not isinstance(exc, (RequestFailedError, EngineError, RequestError)):
         logger.exception("stream failed after the response started")
     tally.error = error.code
     return encode(error.body())

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from inlinelm.errors import RequestFailedError, SlowConsumerError
+from inlinelm.errors import InlineLMError, RequestError, RequestFailedError, SlowConsumerError
 from inlinelm.runtime.metrics import EngineMetrics
 from inlinelm.runtime.outputs import CompletionOutput, RequestOutput
 from inlinelm.runtime.request_state import ParentRequest, RequestState
@@ -76,7 +76,7 @@ class OutputProcessor:
         return to_abort
 
     def _fail_request(
-        self, parent: ParentRequest, error: RequestFailedError, to_abort: list[str]
+        self, parent: ParentRequest, error: InlineLMError, to_abort: list[str]
     ) -> None:
         to_abort.extend(self.remove(parent))
         parent.collector.put(error)
@@ -97,8 +97,7 @@ class OutputProcessor:
         stop_reason: int | str | None = None
         if out.finish_reason is not None:
             if out.finish_reason is FinishReason.ERROR:
-                error = RequestFailedError(f"request {parent.request_id} failed in the engine")
-                self._fail_request(parent, error, to_abort)
+                self._fail_request(parent, _engine_failure(parent, out), to_abort)
                 return
             finish_reason, stop_reason = _finish_of(out)
         if out.new_token_ids:
@@ -226,3 +225,12 @@ def _finish_of(out: EngineCoreOutput) -> tuple[str | None, int | str | None]:
         else str(out.finish_reason)
     )
     return reason, out.stop_reason
+
+
+def _engine_failure(parent: ParentRequest, out: EngineCoreOutput) -> InlineLMError:
+    """The error of a request the engine ended: a ``RequestError`` naming ``structured``
+    when its grammar failed (the request's own doing: a 400 before any output, an error
+    frame after), else a ``RequestFailedError``."""
+    if out.error is not None:
+        return RequestError(f"request {parent.request_id}: {out.error}", param="structured")
+    return RequestFailedError(f"request {parent.request_id} failed in the engine")

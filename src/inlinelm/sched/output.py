@@ -77,6 +77,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    # Why a request finished with FinishReason.ERROR, when it is the request's own doing
+    # (its grammar failed): the caller gets it as a RequestError.
+    error: str | None = None
 
 
 @dataclass(slots=True)

@@ -332,6 +332,11 @@ class Scheduler:
         )
         reason = self._check_stop(request, token_id)
         if reason is not None:
+            if reason is FinishReason.ERROR and request.grammar is not None:
+                output.error = (
+                    f"the output's grammar failed at output token {request.num_output_tokens}: "
+                    f"{request.grammar.error or 'it refused the token'}"
+                )
             self._finish(request, reason)
             output.finish_reason = reason
             output.stop_reason = request.stop_reason

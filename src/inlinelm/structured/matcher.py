@@ -34,7 +34,8 @@ class GrammarMatcher:
         return self._matcher
 
     def accept(self, token_id: int) -> bool:
-        """Feed one sampled token; False (and an error state) when the grammar refuses it."""
+        """Feed one sampled token; False (and an error state) when the grammar refuses it,
+        or when it was already in error (a mask it could not compute)."""
         ok: bool = self._matcher.consume_token(token_id)
         if not ok:
             logger.warning("grammar refused token %d: %s", token_id, self.error)
@@ -48,8 +49,10 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str | None:
-        """The error message, when a refused token (or a fault) stopped the matcher."""
+        """The error's first line, when a refused token or a mask the grammar's limits cut
+        short stopped the matcher (llguidance follows it with a dump of its state and the
+        whole grammar, which belongs in neither a log line nor a client's error)."""
         if not self._matcher.is_error():
             return None
         message: str = self._matcher.get_error()
-        return message
+        return message.split("\n", 1)[0].strip()

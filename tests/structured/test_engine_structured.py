@@ -17,8 +17,8 @@ import pytest
 from inlinelm import Engine, SamplingParams
 from inlinelm.errors import RequestError
 from inlinelm.structured import StructuredOutput
-from tests.runtime.helpers import assert_drained, run
-from tests.structured.grammars import FAILS_LATER
+from tests.runtime.helpers import WAIT_S, assert_drained, run, wait_until
+from tests.structured.grammars import FAILS_LATER, gbnf_chain
 
 SCHEMAS: list[dict[str, Any]] = [
     {
@@ -254,5 +254,32 @@ def test_a_grammar_failing_mid_request_ends_only_that_request(engine: Engine) ->
         assert "Current row has" in info.value.message
         assert (await neighbour).outputs[0].finish_reason == "length"
         await assert_drained(engine)
+
+    run(main(), timeout=120)
+
+
+def test_compiles_whose_clients_left_are_stopped_and_plain_requests_never_wait() -> None:
+    """Four requests with minute-long grammars are cancelled while two compile and two
+    wait: both compile slots come free for the next grammar, and a plain request is
+    answered while the slow ones still run."""
+
+    async def main() -> None:
+        async with Engine(runner="echo", grammar_compile_threads=2) as engine:
+            slow = [gbnf_chain(24000 + i) for i in range(4)]
+            tasks = [
+                asyncio.ensure_future(engine.stream("x", max_tokens=4, structured=s)) for s in slow
+            ]
+            compiler = engine._require_loaded().grammars
+            await wait_until(lambda: compiler.stats.misses == 4, what="four compiles started")
+            plain = await asyncio.wait_for(engine.stream("plain", max_tokens=4), WAIT_S)
+            assert plain.outputs[0].text
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            spec = StructuredOutput.choice(["A1", "B2"])
+            out = await asyncio.wait_for(engine.stream("x", max_tokens=8, structured=spec), WAIT_S)
+            assert out.outputs[0].text in ("A1", "B2")
+            assert compiler.stats.abandoned == 4
+            await assert_drained(engine)
 
     run(main(), timeout=120)

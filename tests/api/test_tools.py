@@ -145,6 +145,44 @@ def test_forced_choices_carry_the_call_schema() -> None:
             {"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
             "messages[0].tool_call_id",
         ),
+        (  # OpenAI's arguments are an object: a named string function came back as content
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        (  # a non-object $defs was a TypeError (a 500) when the schemas were combined
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"$defs": 5}}}
+                ]
+            },
+            "tools[0].function.parameters.$defs",
+        ),
+        (
+            {"messages": [*USER, {"role": "tool", "content": "12 C", "tool_call_id": "call_9"}]},
+            "messages[1].tool_call_id",
+        ),
+        (
+            {
+                "messages": [
+                    *USER,
+                    {"role": "tool", "content": "early", "tool_call_id": "call_1"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "call_1", "function": {"name": "f", "arguments": "{}"}}
+                        ],
+                    },
+                ]
+            },
+            "messages[1].tool_call_id",
+        ),
     ],
 )
 def test_malformed_tool_fields_are_a_400_naming_the_field(
@@ -270,6 +308,31 @@ def test_auto_streams_tool_calls_the_sdk_accumulates(client: openai.OpenAI) -> N
     (call,) = choice.message.tool_calls or []
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_a_call_to_a_function_not_offered_is_dropped(client: openai.OpenAI) -> None:
+    """The echoed answer calls ``rm_rf``, which the request does not offer: no tool call
+    comes back, whole or streamed (the answer is plain content)."""
+    rogue = CALL.replace("get_weather", "rm_rf")
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": rogue},
+        {"role": "user", "content": "Weather in Paris?"},
+    ]
+    kwargs: dict[str, Any] = {"model": "default", "messages": messages, "tools": TOOLS}
+    kwargs["stop"] = ["# Tools"]
+    reply = client.chat.completions.create(**kwargs)
+    (choice,) = reply.choices
+    assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+    assert "rm_rf" in (choice.message.content or "")
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+
+
+def test_only_the_offered_calls_of_an_answer_are_kept() -> None:
+    fmt = ToolChatFormat(_NoTexts(), False, HermesParser(), names=frozenset({"get_weather"}))
+    text = CALL + "\n" + CALL.replace("get_weather", "rm_rf")
+    whole = fmt.whole(0, CompletionOutput(0, text, [], "stop"))
+    assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather"]
 
 
 def test_a_plain_answer_stays_plain(client: openai.OpenAI) -> None:

@@ -46,8 +46,45 @@ def test_required_is_one_call_or_an_array_of_calls() -> None:
     jsonschema.validate([{"name": "get_time", "arguments": {}}] * 2, many)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([], many)
-    assert many["$defs"] == {"zone": {"enum": ["utc", "cet"]}}
-    assert TIME.parameters is not None and "$defs" in TIME.parameters  # the tool is untouched
+    zone = many["$defs"]["get_time"]["properties"]["zone"]
+    assert zone == {"$ref": "#/$defs/get_time/$defs/zone"}
+    assert TIME.parameters is not None  # the tool is untouched
+    assert TIME.parameters["properties"]["zone"] == {"$ref": "#/$defs/zone"}
+
+
+def item_tool(name: str, item: dict[str, object]) -> FunctionTool:
+    return FunctionTool(
+        name,
+        None,
+        {
+            "type": "object",
+            "properties": {"item": {"$ref": "#/$defs/Item"}, "more": {"$ref": "#"}},
+            "required": ["item"],
+            "additionalProperties": False,
+            "$defs": {"Item": item},
+        },
+    )
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_each_function_keeps_its_own_definitions(parallel: bool) -> None:
+    """Two functions both define ``Item`` (and refer to their own root): the arguments of
+    each follow its own; they were merged, and one function's Item won for both."""
+    tools = [item_tool("counts", {"type": "integer"}), item_tool("labels", {"type": "string"})]
+    schema = forced_schema(tools, None, parallel=parallel)
+
+    def check(call: dict[str, object]) -> None:
+        jsonschema.validate([call] if parallel else call, schema)
+
+    check({"name": "counts", "arguments": {"item": 3, "more": {"item": 4}}})
+    check({"name": "labels", "arguments": {"item": "a", "more": {"item": "b"}}})
+    for wrong in (
+        {"name": "counts", "arguments": {"item": "a"}},
+        {"name": "labels", "arguments": {"item": 3}},
+        {"name": "labels", "arguments": {"item": "a", "more": {"item": 3}}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            check(wrong)
 
 
 def test_answers_of_the_fixed_shapes_read_back_as_calls() -> None:

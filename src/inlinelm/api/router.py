@@ -205,7 +205,8 @@ class OpenAIEndpoints:
             parser = ForcedCallParser(tools.tools, tools.named)
         else:
             parser = self.tool_parser or parser_for_template(self.chat_template())
-        return ToolChatFormat(self.texts(), parsed.logprobs, parser, tools.parallel)
+        names = frozenset(tool.name for tool in tools.offered)
+        return ToolChatFormat(self.texts(), parsed.logprobs, parser, tools.parallel, names)
 
     async def _start_chat(
         self,

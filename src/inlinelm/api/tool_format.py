@@ -32,12 +32,15 @@ class _Held:
 @dataclass(slots=True)
 class ToolChatFormat:
     """``chat.completion(.chunk)`` choices that may carry ``tool_calls`` (see the module
-    docstring). ``parallel`` false keeps only the first call an answer holds."""
+    docstring). ``parallel`` false keeps only the first call an answer holds. ``names``:
+    the functions offered; a call to any other is dropped (an answer left with no call is
+    plain content)."""
 
     texts: TokenTexts
     logprobs: bool
     parser: ToolParser
     parallel: bool = True
+    names: frozenset[str] | None = None
     chunk_object: str = "chat.completion.chunk"
     response_object: str = "chat.completion"
     _held: dict[int, _Held] = field(default_factory=dict)
@@ -98,9 +101,14 @@ class ToolChatFormat:
 
     def _parse(self, text: str) -> ParsedOutput | None:
         parsed = self.parser.parse(text)
-        if parsed is None or not parsed.calls:
+        if parsed is None:
             return None
-        calls: list[ToolCall] = parsed.calls if self.parallel else parsed.calls[:1]
+        calls: list[ToolCall] = [
+            call for call in parsed.calls if self.names is None or call.name in self.names
+        ]
+        if not calls:
+            return None
+        calls = calls if self.parallel else calls[:1]
         return ParsedOutput(parsed.content, calls)
 
     def _take_logprobs(self, held: _Held) -> dict[str, Any] | None:

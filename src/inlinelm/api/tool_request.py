@@ -92,12 +92,29 @@ def _read_tool(fields: Fields) -> FunctionTool:
         )
     description = function.read_str("description", None)
     parameters = function.raw("parameters")
-    if parameters is not None and not isinstance(parameters, dict):
-        raise function.wrong_type("parameters", "a JSON object (a JSON Schema)")
+    if parameters is not None:
+        _check_parameters(parameters, function.name("parameters"))
     function.read_bool("strict", False)
     function.refuse_rest()
     fields.refuse_rest()
     return FunctionTool(name, description, parameters)
+
+
+def _check_parameters(parameters: Any, name: str) -> None:
+    """A function's ``parameters`` must be the JSON Schema of an object (OpenAI's rule: the
+    arguments are an object), with its ``$defs`` (or ``definitions``) an object too."""
+    if not isinstance(parameters, dict):
+        raise bad_request(
+            f"{name} must be a JSON object (a JSON Schema)", name, code="invalid_type"
+        )
+    kind = parameters.get("type", "object")
+    if kind != "object":
+        raise bad_request(
+            f"{name} must be the schema of an object (type 'object'), got type {kind!r}", name
+        )
+    for key in ("$defs", "definitions"):
+        if key in parameters and not isinstance(parameters[key], dict):
+            raise bad_request(f"{name}.{key} must be an object of schemas", f"{name}.{key}")
 
 
 def _read_tool_choice(fields: Fields, tools: list[FunctionTool]) -> tuple[ToolChoice, str | None]:

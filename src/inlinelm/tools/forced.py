@@ -8,8 +8,9 @@ The fixed shapes the grammar enforces:
   (an ``anyOf`` with one branch per function), or, with ``parallel_tool_calls``, a
   non-empty array of such objects.
 
-``$defs`` of the functions' schemas are lifted to the top, so their ``#/$defs/...``
-references still resolve inside the combined schema.
+Each function's schema sits whole under ``$defs/<name>`` of the combined schema, its local
+references (``#/$defs/Item``, ``#``) rewritten to point inside it, so every function's
+arguments follow its own definitions even when two functions name theirs alike.
 """
 
 from __future__ import annotations
@@ -29,24 +30,49 @@ def forced_schema(
     if named is not None:
         (tool,) = [t for t in tools if t.name == named]
         return tool.parameters_schema
-    defs: dict[str, Any] = {}
-    branches = []
-    for tool in tools:
-        parameters = dict(tool.parameters_schema)
-        defs.update(parameters.pop("$defs", {}))
-        branches.append(
-            {
-                "type": "object",
-                "properties": {"name": {"enum": [tool.name]}, "arguments": parameters},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-        )
+    defs = {
+        tool.name: nested_under(tool.parameters_schema, f"#/$defs/{tool.name}") for tool in tools
+    }
+    branches = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"enum": [tool.name]},
+                "arguments": {"$ref": f"#/$defs/{tool.name}"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
     call: dict[str, Any] = {"anyOf": branches}
     schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1} if parallel else call
-    if defs:
-        schema["$defs"] = defs
+    schema["$defs"] = defs
     return schema
+
+
+def nested_under(schema: dict[str, Any], pointer: str) -> dict[str, Any]:
+    """A copy of ``schema`` whose local references (``#``, ``#/...``) point inside
+    ``pointer``, where the copy will sit in a larger document (walked without recursion).
+
+    NOTE: each function's schema keeps its own ``$defs`` where they are, so two functions
+    may both define ``Item`` and each argument still follows its own.
+    """
+    root: dict[str, Any] = {}
+    stack: list[tuple[Any, Any]] = [(schema, root)]
+    while stack:
+        source, target = stack.pop()
+        items = source.items() if isinstance(source, dict) else enumerate(source)
+        for key, value in items:
+            if isinstance(value, (dict, list)):
+                copy: Any = {} if isinstance(value, dict) else [None] * len(value)
+                stack.append((value, copy))
+            elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                copy = pointer + value[1:]
+            else:
+                copy = value
+            target[key] = copy
+    return root
 
 
 def forced_structure(

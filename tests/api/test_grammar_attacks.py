@@ -12,7 +12,10 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
+from inlinelm.api.protocol import MAX_JSON_DEPTH
+from inlinelm.tools import FunctionTool, forced_structure
 from tests.api.test_errors import JSON, USER, check_error
+from tests.structured.conftest import make_compiler
 from tests.structured.grammars import FAILS_LATER, gbnf_chain, lark_chain, optional_object
 
 
@@ -105,3 +108,66 @@ def test_too_many_optional_properties_are_a_400(base_url: str) -> None:
     body = {"prompt": "x", "guided_json": schema, "max_tokens": 4}
     error = check_error(post(base_url, "/v1/completions", body), 400, param="structured")
     assert "optional properties" in error["message"]
+
+
+def _items(depth: int) -> str:
+    """A JSON schema nested ``depth`` objects deep (as text: no recursion here)."""
+    return '{"items":' * depth + '{"type":"string"}' + "}" * depth
+
+
+def test_no_nesting_depth_is_a_500(base_url: str) -> None:
+    """Nesting near Python's recursion limit (965 to 970 levels) was a RecursionError (a
+    500) somewhere past the JSON parser, in every constraint field; now the body's depth
+    is capped at MAX_JSON_DEPTH (a 400), and below it llguidance's own limit answers."""
+    chat_head = '{"messages":[{"role":"user","content":"x"}],"max_tokens":2,'
+    tool = '"tools":[{"type":"function","function":{"name":"f","parameters":%s}}]'
+    shapes = {
+        "/v1/completions": ['{"prompt":"x","max_tokens":2,"guided_json":%s}'],
+        "/v1/chat/completions": [
+            chat_head
+            + '"response_format":{"type":"json_schema","json_schema":{"name":"a","schema":%s}}}',
+            chat_head + '"tool_choice":"required",' + tool + "}",
+            chat_head + tool + "}",
+        ],
+    }
+    for depth in [*range(955, 986), MAX_JSON_DEPTH - 10, MAX_JSON_DEPTH + 1]:
+        for path, bodies in shapes.items():
+            for body in bodies:
+                reply = httpx.post(
+                    f"{base_url}{path}", content=body % _items(depth), headers=JSON, timeout=60
+                )
+                assert reply.status_code in (200, 400), (depth, body[:60], reply.text[:200])
+    deep = '{"prompt":"x","max_tokens":2,"guided_json":' + _items(MAX_JSON_DEPTH) + "}"
+    reply = httpx.post(f"{base_url}/v1/completions", content=deep, headers=JSON)
+    assert "nested too deeply" in check_error(reply, 400, code="invalid_json")["message"]
+
+
+def test_each_forced_function_follows_its_own_definitions(tokenizer: Any) -> None:
+    """Two tools both define ``Item``: under tool_choice "required" the grammar lets each
+    function's arguments follow its own (they were merged: one schema's Item for both)."""
+
+    def tool(name: str, item: dict[str, Any]) -> FunctionTool:
+        parameters = {
+            "type": "object",
+            "properties": {"item": {"$ref": "#/$defs/Item"}},
+            "required": ["item"],
+            "additionalProperties": False,
+            "$defs": {"Item": item},
+        }
+        return FunctionTool(name, None, parameters)
+
+    tools = [tool("counts", {"type": "integer"}), tool("labels", {"type": "string"})]
+    compiler = make_compiler(tokenizer, num_slots=1)
+    try:
+        compiled = compiler.compile(forced_structure(tools, None, parallel=False))
+    finally:
+        compiler.close()
+
+    def accepts(text: str) -> bool:
+        matcher = compiled.new_matcher()
+        return all(matcher.accept(t) for t in tokenizer.encode(text))
+
+    assert accepts('{"name": "counts", "arguments": {"item": 3}}')
+    assert accepts('{"name": "labels", "arguments": {"item": "a"}}')
+    assert not accepts('{"name": "counts", "arguments": {"item": "a"}}')
+    assert not accepts('{"name": "labels", "arguments": {"item": 3}}')

@@ -76,6 +76,13 @@ class CompletionRequest:
     user: str | None
 
 
+MAX_JSON_DEPTH = 128
+"""How deep a request body's arrays and objects may nest. Python code that walks them
+(JSON encoding, chat templates, schema copies) recurses, and near the interpreter's
+recursion limit (about 1,000) it fails with a RecursionError (a 500). llguidance refuses
+JSON schemas nested past 128 levels anyway."""
+
+
 async def read_json(request: Request, max_bytes: int) -> Any:
     """The request body parsed as JSON; 413 past ``max_bytes``, 400 when it is not JSON.
 
@@ -85,11 +92,38 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     """
     body = await read_body(request, max_bytes)
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except RecursionError:
-        raise bad_request("request body is nested too deeply", code="invalid_json") from None
+        raise _too_deep() from None
     except ValueError as exc:  # NOTE: JSONDecodeError, UnicodeDecodeError, int digit limit
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if nesting_depth(value) > MAX_JSON_DEPTH:
+        raise _too_deep()
+    return value
+
+
+def nesting_depth(value: Any) -> int:
+    """How deep arrays and objects nest in ``value`` (a scalar is 0), without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        depth += 1
+        deepest = max(deepest, depth)
+        stack.extend((child, depth) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def _too_deep() -> APIError:
+    return bad_request(
+        f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", code="invalid_json"
+    )
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -319,7 +353,26 @@ def _read_messages(fields: Fields) -> list[dict[str, Any]]:
     value = fields.raw("messages")
     if not isinstance(value, list) or not value:
         raise bad_request("messages must be a non-empty list of messages", "messages")
-    return [_read_message(Fields(m, where=f"messages[{i}]")) for i, m in enumerate(value)]
+    messages = [_read_message(Fields(m, where=f"messages[{i}]")) for i, m in enumerate(value)]
+    _check_tool_results(messages)
+    return messages
+
+
+def _check_tool_results(messages: list[dict[str, Any]]) -> None:
+    """Each ``tool`` message answers a call an earlier assistant message made (by its id),
+    as OpenAI requires: a result for no call would show the model an answer nobody asked."""
+    call_ids: set[str] = set()
+    for i, message in enumerate(messages):
+        for call in message.get("tool_calls", ()):
+            if "id" in call:
+                call_ids.add(call["id"])
+        if message["role"] == "tool" and message["tool_call_id"] not in call_ids:
+            name = f"messages[{i}].tool_call_id"
+            raise bad_request(
+                f"{name}: {message['tool_call_id']!r} answers no tool call of an earlier "
+                "assistant message",
+                name,
+            )
 
 
 def _read_message(fields: Fields) -> dict[str, Any]:

@@ -35,14 +35,14 @@ class StructuredOutput:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise RequestError(f"the JSON schema is not valid JSON: {e}", param=_PARAM) from e
         if not isinstance(schema, dict):
             raise RequestError("a JSON schema must be a JSON object", param=_PARAM)
         try:
             # NOTE: keys keep their order: it is the order of the output's properties.
             text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise RequestError(f"the JSON schema cannot be serialised: {e}", param=_PARAM) from e
         return cls("json_schema", text)
 

@@ -90,7 +90,11 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     either: nesting past the recursion limit, and integers past the int-from-string digit
     limit, are 400s too.
     """
-    body = await read_body(request, max_bytes)
+    return parse_json(await read_body(request, max_bytes))
+
+
+def parse_json(body: bytes) -> Any:
+    """``body`` parsed as JSON (see :func:`read_json` for what is a 400)."""
     try:
         value = json.loads(body)
     except RecursionError:

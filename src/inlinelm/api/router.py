@@ -44,7 +44,9 @@ from inlinelm.api.protocol import (
     parse_chat,
     parse_completion,
     parse_detokenize,
+    parse_json,
     parse_tokenize,
+    read_body,
     read_json,
 )
 from inlinelm.api.request_log import log_streamed, log_whole
@@ -149,12 +151,13 @@ class OpenAIEndpoints:
         """``POST /v1/chat/completions``."""
         arrival = time.perf_counter()  # NOTE: before the body is read: TTFT starts here.
         try:
-            parsed = parse_chat(await self._read(request), self._limits())
+            body = await read_body(request, self.max_request_bytes)
+            parsed = parse_chat(parse_json(body), self._limits())
             self._check_model(parsed.model)
             await self._ready()
             rid = new_id("chatcmpl")
             messages, tools = self._chat_inputs(parsed)
-            stream = await self._start_chat(messages, tools, parsed.params, rid, arrival)
+            stream = await self._start_chat(messages, tools, parsed.params, rid, arrival, len(body))
         except Exception as exc:
             return _error_response(exc)
         header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
@@ -167,13 +170,14 @@ class OpenAIEndpoints:
         """``POST /v1/completions``; a list of prompts makes one engine request per prompt."""
         arrival = time.perf_counter()  # NOTE: before the body is read: TTFT starts here.
         try:
-            parsed = parse_completion(await self._read(request), self._limits())
+            body = await read_body(request, self.max_request_bytes)
+            parsed = parse_completion(parse_json(body), self._limits())
             self._check_model(parsed.model)
             await self._ready()
             rid = new_id("cmpl")
-            streams = await self._start_all(parsed.prompts, parsed.params, rid, arrival)
+            streams = await self._start_all(parsed.prompts, parsed.params, rid, arrival, len(body))
             n = parsed.params.n
-            prompt_texts = self._prompt_texts(parsed.prompts, n) if parsed.echo else {}
+            prompt_texts = await self._prompt_texts(parsed.prompts, n) if parsed.echo else {}
         except Exception as exc:
             return _error_response(exc)
         header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
@@ -215,11 +219,18 @@ class OpenAIEndpoints:
         params: SamplingParams,
         rid: str,
         arrival: float,
+        size: int,
     ) -> OutputStream:
-        """Hand a chat to the engine; a prompt error names ``messages`` (what the client sent)."""
+        """Hand a chat to the engine; a prompt error names ``messages`` (what the client sent).
+        ``size``: the request body's bytes (a large request renders off the loop)."""
         try:
             stream = self.engine.chat(
-                messages, params, request_id=rid, arrival_time=arrival, tools=tools
+                messages,
+                params,
+                request_id=rid,
+                arrival_time=arrival,
+                tools=tools,
+                input_size=size,
             )
             await stream.submit()  # NOTE: a large chat is tokenized off the loop; errors raise here
             return stream
@@ -229,15 +240,23 @@ class OpenAIEndpoints:
             raise bad_request(exc.message, "messages") from exc
 
     async def _start_all(
-        self, prompts: Sequence[str | list[int]], params: SamplingParams, rid: str, arrival: float
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        rid: str,
+        arrival: float,
+        size: int,
     ) -> list[OutputStream]:
-        """Hand every prompt to the engine; if one is refused, abort those already started."""
+        """Hand every prompt to the engine; if one is refused, abort those already started.
+
+        NOTE: each prompt is judged by the whole body's ``size``: many prompts just under
+        the inline limit are a large request, tokenized off the loop."""
         streams: list[OutputStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
                 started = self.engine.stream(
-                    prompt, params, request_id=request_id, arrival_time=arrival
+                    prompt, params, request_id=request_id, arrival_time=arrival, input_size=size
                 )
                 streams.append(started)
                 await started.submit()  # NOTE: a large prompt's errors raise here, before the 200
@@ -344,7 +363,7 @@ class OpenAIEndpoints:
             await self._ready()
             if tokens and max(tokens) >= len(self.engine.tokenizer):
                 raise bad_request("tokens holds an id outside the vocabulary", "tokens")
-            text = self.engine.tokenizer.decode(tokens)
+            text = await self.engine.detokenize(tokens)
         except Exception as exc:
             return _error_response(exc)
         return JSONResponse({"prompt": text})
@@ -402,11 +421,14 @@ class OpenAIEndpoints:
                 code="model_not_found",
             )
 
-    def _prompt_texts(self, prompts: Sequence[str | list[int]], n: int) -> dict[int, str]:
-        """Choice index → its prompt as text (for ``echo``)."""
+    async def _prompt_texts(self, prompts: Sequence[str | list[int]], n: int) -> dict[int, str]:
+        """Choice index → its prompt as text (for ``echo``); token-id prompts are decoded
+        together, off the loop when they are many."""
+        ids = [p for p in prompts if not isinstance(p, str)]
+        decoded = iter(await self.engine.detokenize_all(ids) if ids else [])
         texts: dict[int, str] = {}
         for i, prompt in enumerate(prompts):
-            text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
+            text = prompt if isinstance(prompt, str) else next(decoded)
             texts.update({i * n + j: text for j in range(n)})
         return texts
 

@@ -238,6 +238,7 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
+        input_size: int = 0,
         **overrides: Any,
     ) -> RequestStream:
         """Start generating for ``prompt`` (text or token ids) and return its stream.
@@ -252,9 +253,14 @@ class Engine:
         When the engine is started, validation, admission and the hand-over to the engine
         happen here, so ``RequestError``/``QueueFullError``/``EngineError`` raise at once;
         before that they raise from the first ``async for``/``await``.
+
+        A prompt longer than ``max_inline_prompt_chars`` (characters, or token ids) is
+        tokenized and checked on a worker thread, off the event loop. ``input_size`` says
+        the prompt belongs to a larger input (a server passes its request body's size, for
+        a request of many prompts): the rule then judges that size.
         """
-        size = len(prompt) if isinstance(prompt, str) else 0
-        source = PromptSource(lambda: prompt, add_special_tokens, "prompt", size)
+        size = len(prompt) if isinstance(prompt, (str, list)) else 0
+        source = PromptSource(lambda: prompt, add_special_tokens, "prompt", max(size, input_size))
         return self._open(source, _params(params, overrides), request_id, arrival_time)
 
     def chat(
@@ -265,12 +271,15 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
+        input_size: int = 0,
         **overrides: Any,
     ) -> RequestStream:
         """Like :meth:`stream`, with the model's chat template applied to ``messages``
-        (and to ``tools``, OpenAI-style function tools, when given)."""
+        (and to ``tools``, OpenAI-style function tools, when given). The messages' and the
+        tools' text together decide whether the template runs off the event loop."""
+        size = chat_size(messages, tools, limit=self.config.max_inline_prompt_chars)
         source = PromptSource(
-            lambda: self.render_chat(messages, tools), False, "messages", chat_size(messages)
+            lambda: self.render_chat(messages, tools), False, "messages", max(size, input_size)
         )
         return self._open(source, _params(params, overrides), request_id, arrival_time)
 
@@ -428,9 +437,8 @@ class Engine:
         loaded = self._require_loaded()
         if messages is not None:
             special = bool(add_special_tokens)
-            source = PromptSource(
-                lambda: self.render_chat(messages), special, "messages", chat_size(messages)
-            )
+            size = chat_size(messages, limit=self.config.max_inline_prompt_chars)
+            source = PromptSource(lambda: self.render_chat(messages), special, "messages", size)
         elif isinstance(prompt, str):
             special = add_special_tokens is None or add_special_tokens
             source = PromptSource(lambda: prompt, special, "prompt", len(prompt))
@@ -439,6 +447,23 @@ class Engine:
         if source.size <= self.config.max_inline_prompt_chars:
             return self._encode(loaded, source)
         return await self._workers.tokenize(self._encode, loaded, source)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (``tokenizer.decode``, special tokens kept); decoded on
+        a worker thread when there are more than ``max_inline_prompt_chars // 4``."""
+        (text,) = await self.detokenize_all([token_ids])
+        return text
+
+    async def detokenize_all(self, prompts: Sequence[Sequence[int]]) -> list[str]:
+        """:meth:`detokenize` for several token-id lists at once: off the event loop when
+        they hold more than ``max_inline_prompt_chars // 4`` ids together."""
+        await self.start()
+        tokenizer = self._require_loaded().tokenizer
+        lists = [list(ids) for ids in prompts]
+        if sum(map(len, lists)) <= self.config.max_inline_prompt_chars // 4:
+            return [str(tokenizer.decode(ids)) for ids in lists]
+        texts: list[str] = await self._workers.tokenize(tokenizer.batch_decode, lists)
+        return texts
 
     def _submit(
         self,

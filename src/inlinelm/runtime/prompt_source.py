@@ -17,13 +17,20 @@ class PromptSource:
     make: Callable[[], Prompt]
     add_special_tokens: bool
     param: str
-    # Characters of text to render and tokenize (0 for token ids): past
-    # ``max_inline_prompt_chars`` that work runs on a worker thread.
+    # Characters of text to render and tokenize (token ids count one each; a server may
+    # give its whole request's size): past ``max_inline_prompt_chars`` that work runs on a
+    # worker thread.
     size: int
 
 
-def chat_size(messages: Sequence[dict[str, Any]]) -> int:
-    """Characters of text in ``messages`` (string contents and text parts)."""
+def chat_size(
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+    limit: int = 0,
+) -> int:
+    """Characters of text in ``messages`` (string contents and text parts) and in
+    ``tools`` (every string in them: names, descriptions, schemas), counted up to just past
+    ``limit`` when one is given (the caller only asks whether the input is larger)."""
     size = 0
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
@@ -35,4 +42,25 @@ def chat_size(messages: Sequence[dict[str, Any]]) -> int:
                 for p in content
                 if isinstance(p, dict) and isinstance(p.get("text"), str)
             )
+        if limit and size > limit:
+            return size
+    return size + text_size(tools, limit - size if limit else 0) if tools else size
+
+
+def text_size(value: Any, limit: int = 0) -> int:
+    """Characters in every string (keys included) inside ``value``, walked without
+    recursion, and stopped just past ``limit`` when one is given."""
+    size = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            size += len(item)
+            if limit and size > limit:
+                break
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
     return size

@@ -35,6 +35,9 @@ STATS_KEYS = {
     "histograms",
     "grammar_cache_hits",
     "grammar_cache_misses",
+    "grammar_compiles_abandoned",
+    "grammar_cache_entries",
+    "grammar_cache_bytes",
 }
 HISTOGRAMS = {
     "step_duration_seconds",

@@ -280,6 +280,9 @@ def test_compiles_whose_clients_left_are_stopped_and_plain_requests_never_wait()
             out = await asyncio.wait_for(engine.stream("x", max_tokens=8, structured=spec), WAIT_S)
             assert out.outputs[0].text in ("A1", "B2")
             assert compiler.stats.abandoned == 4
+            stats = engine.stats()
+            assert stats["grammar_compiles_abandoned"] == 4
+            assert stats["grammar_cache_entries"] == 1 and stats["grammar_cache_bytes"] > 0
             await assert_drained(engine)
 
     run(main(), timeout=120)

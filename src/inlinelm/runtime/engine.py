@@ -46,7 +46,7 @@ from inlinelm.runtime.stream import RequestStream, Submission
 from inlinelm.runtime.sync import generate_all, run_sync
 from inlinelm.runtime.workers import Workers
 from inlinelm.sampling_params import OutputKind, SamplingParams
-from inlinelm.structured.compiler import CompiledGrammar
+from inlinelm.structured.compiler import CacheStats, CompiledGrammar
 
 logger = logging.getLogger("inlinelm")
 
@@ -211,7 +211,9 @@ class Engine:
         return self._require_loaded().core.num_free_blocks
 
     def stats(self) -> dict[str, Any]:
-        """Engine-wide numbers: queues, KV use, prefix-cache hit rate, histograms, coalescing."""
+        """Engine-wide numbers: queues, KV use, prefix-cache hit rate, histograms, coalescing,
+        and the grammar cache (hits, misses, compiles abandoned by their clients, entries and
+        their estimated bytes)."""
         loaded = self._loaded
         stats = engine_stats(
             loaded.core.stats if loaded is not None else None,
@@ -219,9 +221,12 @@ class Engine:
             num_queued=self._handle.num_queued_requests,
             num_coalesced_steps=sum(b.num_coalesced_steps for b in self._dispatcher.bridges()),
         )
-        cache = loaded.grammars.stats if loaded is not None else None
-        stats["grammar_cache_hits"] = cache.hits if cache is not None else 0
-        stats["grammar_cache_misses"] = cache.misses if cache is not None else 0
+        cache = loaded.grammars.stats if loaded is not None else CacheStats()
+        stats["grammar_cache_hits"] = cache.hits
+        stats["grammar_cache_misses"] = cache.misses
+        stats["grammar_compiles_abandoned"] = cache.abandoned
+        stats["grammar_cache_entries"] = cache.num_entries
+        stats["grammar_cache_bytes"] = cache.num_bytes
         return stats
 
     def register_metrics(self, registry: Any) -> None:

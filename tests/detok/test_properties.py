@@ -18,6 +18,7 @@ from inlinelm.detok import (
     FastIncrementalDetokenizer,
     IncrementalDetokenizer,
     SlowIncrementalDetokenizer,
+    StopStrings,
 )
 from tests.detok.reference import (
     FFFD,
@@ -102,29 +103,41 @@ def test_every_split_point_gives_the_same_text(tokenizer: Any, prompt_ids: list[
 
 
 def draw_stops(data: st.DataObject, text: str) -> list[str]:
-    """Stop strings that occur in the text (so they straddle tokens), overlap and nest."""
+    """Stop strings that occur in the text (so they straddle tokens), overlap and nest:
+    prefixes and suffixes of each other, self-overlapping ones ("aaa", "abab", "abca")."""
     sliced = st.builds(
         lambda start, size: text[start : start + size], st.integers(0, len(text)), st.integers(1, 6)
     )
     base = st.one_of(sliced, st.text(min_size=1, max_size=3), st.sampled_from(PIECES))
     stops: list[str] = data.draw(st.lists(base, min_size=1, max_size=3), label="stops")
     for stop in list(stops):
-        variant = data.draw(st.sampled_from(["none", "prefix", "suffix", "self-overlap"]))
-        stops.append(
-            {"none": "", "prefix": stop[:-1], "suffix": stop[1:], "self-overlap": stop + stop[:1]}[
-                variant
-            ]
-        )
+        variants = {
+            "none": "",
+            "prefix": stop[:-1],
+            "suffix": stop[1:],
+            "self-overlap": stop + stop[:1],
+            "run": stop[:1] * 3,
+            "period": stop[:2] * 2,
+        }
+        stops.append(variants[data.draw(st.sampled_from(sorted(variants)))])
     return [s for s in stops if s]
 
 
 @settings(max_examples=500, deadline=None)
-@given(text=TEXT, sizes=SIZES, include=st.booleans(), skip=st.booleans(), data=st.data())
+@given(
+    text=TEXT,
+    sizes=SIZES,
+    other_sizes=SIZES,
+    include=st.booleans(),
+    skip=st.booleans(),
+    data=st.data(),
+)
 def test_stop_strings_match_the_whole_text_reference(
     tokenizer: Any,
     prompt_ids: list[int],
     text: str,
     sizes: list[int],
+    other_sizes: list[int],
     include: bool,
     skip: bool,
     data: st.DataObject,
@@ -143,14 +156,19 @@ def test_stop_strings_match_the_whole_text_reference(
 
     options = {
         "skip_special_tokens": skip,
-        "stop": stops,
         "include_stop_str_in_output": include,
         "min_tokens": min_tokens,
     }
+    # NOTE: the fast path and a second choice share one table, as a request's choices do
+    shared = StopStrings(stops)
     chunks = chunked(ids, sizes)
-    fast, slow = (stream(d, chunks) for d in both_paths(tokenizer, prompt_ids, **options))
+    fast = stream(FastIncrementalDetokenizer(backend, prompt_ids, stop=shared, **options), chunks)
+    slow = stream(SlowIncrementalDetokenizer(tokenizer, prompt_ids, stop=stops, **options), chunks)
     assert fast.deltas == slow.deltas
     assert (fast.stop, fast.text) == (expected.stop, expected.text)
+    second = FastIncrementalDetokenizer(backend, prompt_ids, stop=shared, **options)
+    again = stream(second, chunked(ids, other_sizes))
+    assert (again.stop, again.text) == (expected.stop, expected.text)
     if expected.stop_token is not None:
         # the stop is reported by the update that holds the token completing it
         first_in_chunk = fast.num_fed_tokens - fast.last_chunk_size + 1

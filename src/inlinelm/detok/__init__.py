@@ -6,13 +6,14 @@ from inlinelm.detok.incremental import (
     SlowIncrementalDetokenizer,
     make_detokenizer,
 )
-from inlinelm.detok.stop_strings import StopMatch, StopStrings
+from inlinelm.detok.stop_strings import StopMatch, StopMatcher, StopStrings
 
 __all__ = [
     "FastIncrementalDetokenizer",
     "IncrementalDetokenizer",
     "SlowIncrementalDetokenizer",
     "StopMatch",
+    "StopMatcher",
     "StopStrings",
     "make_detokenizer",
 ]

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from inlinelm.detok.stop_strings import StopStrings
+from inlinelm.detok.stop_strings import StopMatch, StopStrings
 from inlinelm.detok.window import REPLACEMENT_CHAR, Window, prompt_context
 
 
@@ -59,17 +59,20 @@ class IncrementalDetokenizer(ABC):
 
     Stop strings are searched in the text as each step releases it; text that only appears when
     the request finishes (an unresolved trailing U+FFFD) is not searched. No stop string can end
-    in the text of the first ``min_tokens`` output tokens.
+    in the text of the first ``min_tokens`` output tokens. ``stop`` is a list of stop strings,
+    or a request's :class:`~inlinelm.detok.StopStrings`, built once and shared by its choices
+    (each detokenizer keeps only its own matcher state).
     """
 
     def __init__(
         self,
         *,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | StopStrings = (),
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
     ) -> None:
-        self._stops = StopStrings(stop) if stop else None
+        self._stop_strings = _stop_strings(stop)
+        self._matcher = None if self._stop_strings is None else self._stop_strings.matcher()
         self._include_stop = include_stop_str_in_output
         self._min_tokens = min_tokens
         self._token_ids: list[int] = []
@@ -87,6 +90,11 @@ class IncrementalDetokenizer(ABC):
     def output_text(self) -> str:
         """All text decoded so far, released or held back (cut at a stop string when one hit)."""
         return "".join(self._released) + self._unreleased
+
+    @property
+    def stop_strings(self) -> StopStrings | None:
+        """The stop strings this detokenizer matches (shared by a request's choices), or None."""
+        return self._stop_strings
 
     @property
     def stop_reason(self) -> str | None:
@@ -108,7 +116,8 @@ class IncrementalDetokenizer(ABC):
             if stop is None:
                 self._token_ids.append(new_token_ids[-1])
             return stop
-        searchable_from = len(self._unreleased)  # held-back text was searched already
+        # NOTE: the matcher has seen the held-back text; it is fed only the new text
+        fed_from = searchable_from = len(self._unreleased)
         for token_id in new_token_ids:
             self._token_ids.append(token_id)
             text = self._decode_next(token_id)
@@ -117,10 +126,11 @@ class IncrementalDetokenizer(ABC):
             if len(self._token_ids) <= self._min_tokens:
                 # NOTE: a stop string may start, but not end, in the first min_tokens' text.
                 searchable_from = len(self._unreleased)
-        stops = self._stops
-        if stops is None or not stops.could_end_in(self._unreleased[searchable_from:]):
+        matcher = self._matcher
+        if matcher is None:
             return None
-        return self._find_stop(stops, searchable_from)
+        match = matcher.feed(self._unreleased, fed_from, searchable_from)
+        return None if match is None else self._cut_at(match)
 
     def next_output_text(self, finished: bool, delta: bool) -> str:
         """Release the text that may go out now.
@@ -133,7 +143,7 @@ class IncrementalDetokenizer(ABC):
         """
         if finished and not self._finished:
             self._finish()
-        hold = 0 if finished or self._stops is None else self._stops.holdback(self._unreleased)
+        hold = 0 if finished or self._matcher is None else self._matcher.num_held
         ready = len(self._unreleased) - hold
         text = ""
         if ready > 0:
@@ -153,18 +163,10 @@ class IncrementalDetokenizer(ABC):
     def _flush(self) -> str:
         """The text still waiting in the decoder when the request ends."""
 
-    def _find_stop(self, stops: StopStrings, searchable_from: int) -> str | None:
-        # 1) the new text, with the characters before it that a straddling match may start in
-        size = stops.lookbehind
-        before = self._unreleased[max(searchable_from - size, 0) : searchable_from]
-        if len(before) < size:
-            before = self._released_suffix(size - len(before)) + before
-        match = stops.find(before + self._unreleased[searchable_from:], len(before))
-        if match is None:
-            return None
-        # 2) cut the unreleased text; hold-back kept every possible match start unreleased
-        cut = searchable_from - len(before) + (match.end if self._include_stop else match.start)
-        assert cut >= 0, "a stop string matched inside text already released"
+    def _cut_at(self, match: StopMatch) -> str:
+        # NOTE: hold-back kept every possible match start unreleased
+        assert match.start >= 0, "a stop string matched inside text already released"
+        cut = match.end if self._include_stop else match.start
         self._unreleased = self._unreleased[:cut]
         self._stop_reason = match.stop
         return match.stop
@@ -174,17 +176,11 @@ class IncrementalDetokenizer(ABC):
         if self._stop_reason is None:
             self._unreleased += self._flush()
 
-    def _released_suffix(self, size: int) -> str:
-        """The last ``size`` characters of the released text (or all of it, when shorter)."""
-        parts: list[str] = []
-        length = 0
-        for part in reversed(self._released):
-            if length >= size:
-                break
-            parts.append(part)
-            length += len(part)
-        text = "".join(reversed(parts))
-        return text[len(text) - size :] if length > size else text
+
+def _stop_strings(stop: Sequence[str] | StopStrings) -> StopStrings | None:
+    """``stop`` prepared for matching (a request's shared table as it is), None for no stops."""
+    stops = stop if isinstance(stop, StopStrings) else StopStrings(stop) if stop else None
+    return stops if stops is not None and stops.stops else None
 
 
 class FastIncrementalDetokenizer(IncrementalDetokenizer):
@@ -201,7 +197,7 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         prompt_token_ids: Sequence[int],
         *,
         skip_special_tokens: bool = True,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | StopStrings = (),
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
     ) -> None:
@@ -271,7 +267,7 @@ class SlowIncrementalDetokenizer(IncrementalDetokenizer):
         prompt_token_ids: Sequence[int],
         *,
         skip_special_tokens: bool = True,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | StopStrings = (),
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
     ) -> None:
@@ -325,7 +321,7 @@ def make_detokenizer(
     *,
     skip_special_tokens: bool = True,
     spaces_between_special_tokens: bool = True,
-    stop: Sequence[str] = (),
+    stop: Sequence[str] | StopStrings = (),
     include_stop_str_in_output: bool = False,
     min_tokens: int = 0,
 ) -> IncrementalDetokenizer:

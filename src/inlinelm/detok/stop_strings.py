@@ -6,12 +6,16 @@ Semantics (shared by every detokenizer, and by the reference in the tests):
   the same place, the longest (the one that starts first) wins. Ending first is the only rule
   that does not depend on how the text was chunked: it is the match a reader going through
   the text one character at a time would see first.
-* **Search window**: a stop string must end in the new text, so only the new text plus the
-  ``longest stop - 1`` characters before it are searched; a match that ended earlier was found
-  earlier.
 * **Hold-back**: while streaming, the longest suffix of the text that is a proper prefix of
   some stop string is held back, since the next token may complete it. Nothing else is held,
   so a stop set never delays text that cannot start a stop string.
+
+How: a request's :class:`StopStrings` is an Aho–Corasick automaton over its stop strings
+(:mod:`inlinelm.detok.stop_automaton`), built once and shared, read-only, by the request's
+choices. Each choice's :class:`StopMatcher` holds only its state: the node of the longest
+suffix of its text that is a prefix of a stop. Each new character is fed once, so a step
+costs the length of its own text, however long the stops or the output; at the root, a
+C-level search skips to the next character that starts a stop.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from inlinelm.detok.stop_automaton import StopAutomaton
 from inlinelm.errors import RequestError
 
 
@@ -32,15 +37,16 @@ class StopMatch:
 
 
 class StopStrings:
-    """A request's stop strings, prepared for matching on each engine step.
+    """A request's stop strings, prepared once for every choice's :class:`StopMatcher`.
 
-    Duplicates are dropped; the order of the rest does not matter (see :meth:`find`).
-    ``max_len`` is the longest stop's length, ``lookbehind`` how many characters before the
-    new text a match may start in (``max_len - 1``). Raises
-    :class:`~inlinelm.errors.RequestError` for an empty stop string.
+    Duplicates are dropped; the order of the rest does not matter. ``max_len`` is the longest
+    stop's length; a hold-back is at most ``lookbehind`` (``max_len - 1``) characters. Raises
+    :class:`~inlinelm.errors.RequestError` for an empty stop string. Building costs a few
+    C-level string operations per stop, whatever their lengths (the caps on count and length
+    are the engine's, see ``EngineConfig.max_stop_strings``).
     """
 
-    __slots__ = ("_by_last_char", "_last_chars", "lookbehind", "max_len", "stops")
+    __slots__ = ("_automaton", "lookbehind", "max_len", "stops")
 
     def __init__(self, stops: Iterable[str]) -> None:
         self.stops: tuple[str, ...] = tuple(dict.fromkeys(stops))
@@ -48,45 +54,94 @@ class StopStrings:
             raise RequestError("invalid stop: stop strings must be non-empty", param="stop")
         self.max_len = max((len(s) for s in self.stops), default=0)
         self.lookbehind = max(self.max_len - 1, 0)
-        self._last_chars = frozenset(s[-1] for s in self.stops)
-        self._by_last_char = _proper_prefixes_by_last_char(self.stops)
+        self._automaton = StopAutomaton(self.stops)
 
-    def could_end_in(self, new_text: str) -> bool:
-        """False when no stop string can end in ``new_text`` (it has none of their last characters)."""
-        return not self._last_chars.isdisjoint(new_text)
+    def matcher(self) -> StopMatcher:
+        """A fresh matcher (at the start of a text) for one choice."""
+        return StopMatcher(self._automaton)
 
     def find(self, text: str, new_start: int) -> StopMatch | None:
         """The first stop string (earliest end, then longest) ending in ``text[new_start:]``.
 
-        ``text`` is the new text with up to :attr:`lookbehind` characters of context in front;
-        ``new_start`` is where the new text begins. Positions in the result index ``text``.
+        A whole-text convenience (a fresh matcher fed ``text``); positions index ``text``.
         """
-        best: StopMatch | None = None
-        for stop in self.stops:
-            first = new_start - len(stop) + 1
-            start = text.find(stop, first if first > 0 else 0)
-            if start < 0:
-                continue
-            end = start + len(stop)
-            if best is None or end < best.end or (end == best.end and start < best.start):
-                best = StopMatch(stop, start, end)
-        return best
+        return self.matcher().feed(text, 0, new_start)
 
     def holdback(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        if not text:
-            return 0
-        # NOTE: usually the last character starts no stop prefix and this is one dict lookup.
-        for prefix in self._by_last_char.get(text[-1], ()):
-            if text.endswith(prefix):
-                return len(prefix)
-        return 0
+        matcher = self.matcher()
+        matcher.feed(text, 0, len(text))
+        return matcher.num_held
 
 
-def _proper_prefixes_by_last_char(stops: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
-    """Every proper prefix of every stop, keyed by its last character, longest first."""
-    prefixes = {stop[:k] for stop in stops for k in range(1, len(stop))}
-    table: dict[str, list[str]] = {}
-    for prefix in sorted(prefixes, key=len, reverse=True):
-        table.setdefault(prefix[-1], []).append(prefix)
-    return {char: tuple(group) for char, group in table.items()}
+class StopMatcher:
+    """One choice's progress through its request's stop strings.
+
+    Feed it the text as it grows, each character once (:meth:`feed`); :attr:`num_held` is
+    then how much of the end of the text fed so far could still start a stop string.
+    """
+
+    __slots__ = ("_automaton", "_roots", "_skip", "_state", "num_held")
+
+    def __init__(self, automaton: StopAutomaton) -> None:
+        self._automaton = automaton
+        self._skip = automaton.first_char.search
+        self._roots = automaton.root_children
+        self._state = 0
+        # NOTE: a plain attribute, kept equal to the state's hold-back, since it is read for
+        # every streamed token
+        self.num_held = 0
+
+    def feed(self, text: str, start: int, searchable_from: int) -> StopMatch | None:
+        """Feed ``text[start:]``, the text that follows what was fed before; return the first
+        stop string that ends after ``text[:searchable_from]``, or None.
+
+        Stops ending earlier (in the text of the first ``min_tokens`` tokens) are passed
+        over, though they may still start there. Positions in the result index ``text``.
+        After a match the matcher is spent: the request it serves is over.
+        """
+        if self._state == 0:
+            hit = self._skip(text, start)
+            if hit is None:  # NOTE: the common case: no character here starts a stop
+                return None
+            start = hit.start()
+        return self._run(text, start, searchable_from)
+
+    def _run(self, text: str, pos: int, searchable_from: int) -> StopMatch | None:
+        automaton = self._automaton
+        next_chars, more, fail, match = (
+            automaton.next_chars,
+            automaton.more,
+            automaton.fail,
+            automaton.match,
+        )
+        node = self._state
+        end = len(text)
+        while pos < end:
+            char = text[pos]
+            pos += 1
+            if node == 0:
+                node = self._roots[char]  # NOTE: the skip stopped at a first character
+            elif next_chars[node] == char and more[node]:
+                node += 1  # the usual step, down the node's own chain, inlined
+            else:
+                node = automaton.goto(node, char)
+                if node == 0:
+                    hit = self._skip(text, pos)
+                    if hit is None:
+                        break
+                    pos = hit.start()
+                    continue
+            if fail[node] < 0:  # the first text to reach this node
+                automaton.reach(node)
+            found = match[node]
+            if found and pos > searchable_from:
+                self._stay(node)
+                stop = automaton.stops[found - 1]
+                return StopMatch(stop, pos - len(stop), pos)
+        self._stay(node)
+        return None
+
+    def _stay(self, node: int) -> None:
+        self._state = node
+        self.num_held = self._automaton.hold[node]

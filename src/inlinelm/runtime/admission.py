@@ -19,6 +19,25 @@ def check_limits(config: EngineConfig, params: SamplingParams) -> None:
         raise RequestError(
             f"logprobs must be at most {config.max_logprobs} on this engine", param="logprobs"
         )
+    check_stop_limits(config, params.stop)
+
+
+def check_stop_limits(config: EngineConfig, stop: list[str]) -> None:
+    """At most ``max_stop_strings`` stop strings, none longer than ``max_stop_string_chars``:
+    every choice matches them against its text on the event loop."""
+    if len(stop) > config.max_stop_strings:
+        raise RequestError(
+            f"at most {config.max_stop_strings} stop strings are allowed on this engine, "
+            f"got {len(stop)}",
+            param="stop",
+        )
+    longest = max(map(len, stop), default=0)
+    if longest > config.max_stop_string_chars:
+        raise RequestError(
+            f"stop strings may be at most {config.max_stop_string_chars} characters long "
+            f"on this engine, got one of {longest}",
+            param="stop",
+        )
 
 
 def admit_count(config: EngineConfig, handle: CoreHandle) -> None:

@@ -1,16 +1,21 @@
-"""Access control: the bearer key, JSON-only bodies, and what a dead engine tells clients."""
+"""Access control: the Host a request names (DNS rebinding), the bearer key, JSON-only
+bodies, and what a dead engine tells clients."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
 from inlinelm.api import create_app, openai_router
+from inlinelm.api.access import HostCheck, host_name
 from inlinelm.runtime.engine import Engine
 from tests.api.conftest import ECHO, ServerThread, serve
 from tests.api.test_errors import check_error
@@ -125,3 +130,113 @@ def test_a_dead_engine_shows_clients_the_error_class_only() -> None:
         check_error(later, 503)
         for response in (first, health, later):
             assert "secret" not in response.text and "device lost" not in response.text
+
+
+# -- hosts (DNS rebinding) --------------------------------------------------------------------
+
+EVIL = {"Host": "rebound.example"}
+
+
+def mounted(**router_options: Any) -> Iterator[ServerThread]:
+    """An app of its own with the router mounted at ``/llm`` (and its own lifespan)."""
+    engine = Engine(ECHO)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with engine:
+            yield
+
+    router = openai_router(engine, **router_options)
+    yield from serve(Starlette(routes=[Mount("/llm", app=router)], lifespan=lifespan))
+
+
+@pytest.fixture(scope="module")
+def app_hosts() -> Iterator[ServerThread]:
+    yield from mounted(allowed_hosts=["my.app", "*.example.com", "[fd00::1]"])
+
+
+def test_without_a_key_a_foreign_host_is_a_403_before_any_work(
+    base_url: str, submitted: list[str]
+) -> None:
+    for method, path, body in ENDPOINTS:
+        response = httpx.request(method, f"{base_url}{path}", json=body, headers=EVIL)
+        error = check_error(response, 403, code="host_not_allowed")
+        assert "'rebound.example'" in error["message"] and "--allowed-hosts" in error["message"]
+    text_plain = {**EVIL, "content-type": "text/plain"}
+    refused = httpx.post(f"{base_url}/v1/completions", content=b"{}", headers=text_plain)
+    check_error(refused, 403, code="host_not_allowed")  # the host is checked first
+    assert submitted == []
+    assert httpx.get(f"{base_url}/health", headers=EVIL).json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["localhost", "localhost:8000", "LOCALHOST:1", "127.0.0.1", "127.0.0.1:80", "[::1]:8000"],
+)
+def test_without_a_key_loopback_hosts_are_served_with_any_port(base_url: str, host: str) -> None:
+    response = httpx.get(f"{base_url}/v1/models", headers={"Host": host})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    "host", ["localhost.rebound.example", "127.0.0.1.rebound.example", "0.0.0.0", "", "[::2]"]
+)
+def test_names_that_only_look_local_are_refused(base_url: str, host: str) -> None:
+    check_error(httpx.get(f"{base_url}/v1/models", headers={"Host": host}), 403)
+
+
+def test_with_a_key_any_host_is_served(keyed: ServerThread) -> None:
+    response = httpx.get(f"{keyed.url}/v1/models", headers={**BEARER, **EVIL})
+    assert response.status_code == 200, response.text
+    check_error(httpx.get(f"{keyed.url}/v1/models", headers=EVIL), 401)
+
+
+def test_a_mounted_router_without_a_key_serves_loopback_hosts_only() -> None:
+    for server in mounted():
+        check_error(httpx.get(f"{server.url}/llm/v1/models", headers=EVIL), 403)
+        assert httpx.get(f"{server.url}/llm/v1/models").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("host", "status"),
+    [
+        ("my.app", 200),
+        ("MY.APP:8443", 200),
+        ("api.example.com", 200),
+        ("a.b.example.com", 200),
+        ("[fd00::1]:80", 200),
+        ("localhost", 200),
+        ("example.com", 403),  # "*.example.com" is its subdomains only
+        ("my.app.rebound.example", 403),
+        ("rebound.example", 403),
+    ],
+)
+def test_an_app_allows_its_own_hosts(app_hosts: ServerThread, host: str, status: int) -> None:
+    response = httpx.get(f"{app_hosts.url}/llm/v1/models", headers={"Host": host})
+    assert response.status_code == status, response.text
+
+
+def test_allowed_hosts_star_serves_every_host_and_holds_with_a_key_too() -> None:
+    for server in mounted(allowed_hosts=["*"]):
+        assert httpx.get(f"{server.url}/llm/v1/models", headers=EVIL).status_code == 200
+    for server in mounted(allowed_hosts=["my.app"], api_key=KEY):
+        refused = httpx.get(f"{server.url}/llm/v1/models", headers={**EVIL, **BEARER})
+        check_error(refused, 403, code="host_not_allowed")
+        served = httpx.get(f"{server.url}/llm/v1/models", headers={"Host": "my.app", **BEARER})
+        assert served.status_code == 200
+
+
+def test_create_app_takes_allowed_hosts() -> None:
+    for server in serve(create_app(ECHO, allowed_hosts=["my.app"])):
+        assert httpx.get(f"{server.url}/v1/models", headers={"Host": "my.app"}).status_code == 200
+        check_error(httpx.get(f"{server.url}/v1/models", headers=EVIL), 403)
+
+
+def test_host_names_drop_the_port_and_bracket_ipv6() -> None:
+    assert host_name("LocalHost:8000") == "localhost"
+    assert host_name("[::1]:8000") == host_name("::1") == "[::1]"
+    assert host_name("[::1") == ""  # no closing bracket: no name
+    check = HostCheck.for_router(False, ["::1", "a.b:80"])
+    assert check.allows("a.b") and check.allows("[::1]:1") and not check.allows("b")
+    with pytest.raises(ValueError, match="empty host"):
+        HostCheck.for_router(False, [""])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Literal, TypedDict
 
@@ -34,6 +34,7 @@ def create_app(
     sse_ping_s: float = DEFAULT_SSE_PING_S,
     max_fanout: int = DEFAULT_MAX_FANOUT,
     api_key: str | None = None,
+    allowed_hosts: Iterable[str] | None = None,
 ) -> Starlette:
     """A Starlette app serving the OpenAI-compatible API at its root, and a chat page at ``/``.
 
@@ -68,6 +69,7 @@ def create_app(
         sse_ping_s=sse_ping_s,
         max_fanout=max_fanout,
         api_key=api_key,
+        allowed_hosts=allowed_hosts,
     )
     app = Starlette(routes=[chat_page_route(), *router.routes], lifespan=lifespan)
     app.state.engine = engine

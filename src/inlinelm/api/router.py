@@ -6,7 +6,9 @@ Endpoints (relative to wherever the router is mounted):
 - ``GET /v1/models``, ``GET /health`` (200, or 503 with the reason), ``GET /metrics``
 - ``POST /tokenize``, ``POST /detokenize``
 
-With ``api_key`` set, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``
+Without ``api_key``, every endpoint but ``/health`` serves only requests whose ``Host`` is a
+loopback name or one of ``allowed_hosts`` (a 403 otherwise: DNS rebinding). With
+``api_key`` set, every endpoint but ``/health`` wants ``Authorization: Bearer <key>``
 (a 401 otherwise). Every POST wants ``Content-Type: application/json``, with or without a
 key (a 415 otherwise, also when the type is missing): browsers send cross-site POSTs
 without asking only as text/plain, forms or untyped, so none of those reach the engine
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -83,6 +85,7 @@ def openai_router(
     max_fanout: int = DEFAULT_MAX_FANOUT,
     api_key: str | None = None,
     tool_parser: str | ToolParser | None = None,
+    allowed_hosts: Iterable[str] | None = None,
 ) -> Router:
     """The OpenAI-compatible API of ``engine`` as a router to mount under any prefix.
 
@@ -91,7 +94,10 @@ def openai_router(
     A request that would become more than ``max_fanout`` engine requests (prompts × ``n``)
     is a 400, refused before anything is submitted. With ``api_key``, requests must carry
     ``Authorization: Bearer <api_key>`` (``/health`` excepted); POST bodies must always be
-    declared ``application/json`` (see the module docstring).
+    declared ``application/json`` (see the module docstring). ``allowed_hosts``: the
+    ``Host`` names served besides loopback ones (``"*"``: every host; ``"*.example.com"``:
+    its subdomains); left out, a router without a key serves loopback names only and one
+    with a key every host. An app serving the router under its own name passes that name.
     Idle streams get an SSE comment every ``sse_ping_s`` seconds (0 turns pings off).
     ``tool_parser`` reads tool calls out of answers to chats that offer tools with
     ``tool_choice`` "auto": a name in :data:`inlinelm.tools.PARSERS` or a
@@ -102,10 +108,14 @@ def openai_router(
         raise ValueError(f"max_fanout must be at least 1, got {max_fanout}")
     parser = get_parser(tool_parser) if isinstance(tool_parser, str) else tool_parser
     api = OpenAIEndpoints(engine, model_name, max_request_bytes, sse_ping_s, max_fanout, parser)
-    access = Access(api_key)
+    access = Access(api_key, allowed_hosts)
 
     def route(path: str, endpoint: Endpoint, method: str) -> Route:
-        guarded = access.guard(endpoint, needs_key=path != "/health", json_body=method == "POST")
+        # NOTE: /health answers probes from anywhere (a pod's IP as Host); it tells nothing.
+        public = path == "/health"
+        guarded = access.guard(
+            endpoint, needs_key=not public, checks_host=not public, json_body=method == "POST"
+        )
         return Route(path, guarded, methods=[method])
 
     return Router(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import random
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field
@@ -18,8 +19,10 @@ from typing import Any
 import httpx
 
 from inlinelm import Engine, RequestError, RequestStream
+from inlinelm.structured import StructuredOutput
 from tests.chaos.helpers import Problems, SseReading, echo_answer, read_sse
 from tests.runtime.helpers import prompt_ids
+from tests.structured.grammars import FAILS_LATER, lark_chain, optional_object, ref_chain
 
 SCENARIO_S = 20.0
 """A scenario still running after this long is recorded as hung."""
@@ -57,6 +60,7 @@ KINDS = {
     "bad": 12,
     "duplicate_id": 6,
     "reuse_after_abort": 6,
+    "hostile": 6,
 }
 PYTHON_ONLY = {"duplicate_id", "reuse_after_abort"}
 
@@ -69,6 +73,23 @@ BAD_REQUESTS: dict[str, dict[str, Any]] = {
     "stop_token_ids=[10**9] with min_tokens=1": {"stop_token_ids": [10**9], "min_tokens": 1},
     "unknown field": {"bogus_field": 1},
 }
+
+
+# name → a constraint built to crash, stall or outwit the grammar compiler (issue 19): each
+# is refused with a RequestError naming "structured" (a 400), or, for the one that fails
+# mid-generation, ends its own stream with an error. Variants of each keep some compiles
+# uncached, so children crash and time out during the mix.
+HOSTILE: dict[str, Callable[[int], StructuredOutput]] = {
+    "3,000 chained Lark rules": lambda i: lark_chain(3000 + i),
+    "a 1,000-deep $ref chain": lambda i: ref_chain(1000 + i),
+    "a regex whose first mask is slow": lambda i: StructuredOutput.regex(
+        f"((a{{{100 + i}}}){{100}}){{100}}"
+    ),
+    "401 optional properties": lambda i: optional_object(401 + i),
+    "a grammar that fails after its first token": lambda i: StructuredOutput.grammar(FAILS_LATER),
+}
+NUM_HOSTILE_VARIANTS = 2
+MID_REQUEST = "a grammar that fails after its first token"
 
 
 def http_fields(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -196,6 +217,8 @@ class Mix:
             return prompt, rng.randint(0, 3)
         if kind == "bad":
             return prompt, rng.choice(sorted(BAD_REQUESTS))
+        if kind == "hostile":
+            return prompt, rng.choice(sorted(HOSTILE)), rng.randrange(NUM_HOSTILE_VARIANTS)
         if kind == "reuse_after_abort":
             return prompt, max_tokens, rng.choice(["aclose", "agen_aclose", "cancel"])
         if kind == "normal":
@@ -360,6 +383,38 @@ class Mix:
         reading = await self._sse(fields)
         ok = reading.status == 400 and isinstance(reading.body, dict) and "error" in reading.body
         self.problems.check(ok, f"{label}: {case} got HTTP {reading.status} (want 400)")
+
+    # -- hostile constraints -------------------------------------------------------------------
+
+    async def _hostile_py(self, label: str, prompt: str, case: str, variant: int) -> None:
+        spec = HOSTILE[case](variant)
+        try:
+            await read_py(self.engine.stream(prompt, max_tokens=8, structured=spec))
+        except RequestError as exc:
+            self.problems.check(
+                exc.param == "structured", f"{label}: {case}: RequestError names {exc.param!r}"
+            )
+            return
+        self.problems.add(f"{label}: {case} was accepted (want RequestError)")
+
+    async def _hostile_http(self, label: str, prompt: str, case: str, variant: int) -> None:
+        spec = HOSTILE[case](variant)
+        field = "guided_json" if spec.kind == "json_schema" else f"guided_{spec.kind}"
+        value: Any = json.loads(spec.text) if spec.kind == "json_schema" else spec.text
+        reading = await self._sse({"prompt": prompt, "max_tokens": 8, field: value})
+        if case == MID_REQUEST:
+            params = [e.get("param") for e in reading.errors]
+            ok = reading.status == 200 and params == ["structured"] and reading.done
+            self.problems.check(ok, f"{label}: {case}: HTTP {reading.status}, errors {params}")
+            self.problems.check(
+                "stop" not in reading.reasons.values(), f"{label}: {case} ended with 'stop'"
+            )
+            return
+        param = (
+            reading.body.get("error", {}).get("param") if isinstance(reading.body, dict) else None
+        )
+        ok = reading.status == 400 and param == "structured"
+        self.problems.check(ok, f"{label}: {case}: HTTP {reading.status} {reading.body} (want 400)")
 
     # -- request ids ---------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from tests.chaos.helpers import (
     seeded,
     served,
 )
-from tests.chaos.scenarios import BAD_REQUESTS, Mix
+from tests.chaos.scenarios import BAD_REQUESTS, HOSTILE, SCENARIO_S, WORDS, Mix, read_py
 from tests.runtime.helpers import (
     WAIT_S,
     echo_engine,
@@ -312,3 +312,59 @@ def test_a_fault_ends_every_stream_with_a_clear_error_and_a_new_engine_serves(
         problems = run(_fault_run(rng, fault_kind, monkeypatch), timeout=120.0)
         _check_closed_cleanly(problems, threads_before)
         problems.assert_none(f"{fault_kind} fault")
+
+
+# -- hostile constraints beside live streams ------------------------------------------------------
+
+STALL_S = 1.0
+"""The stated bound: no engine step, and no wait of a step's outputs for the event loop,
+may take longer. A step takes milliseconds here (the echo runner); the attacks below took
+the process down (grammars that crashed the compiler) or held one step for 1.5 s (the
+first mask of ((a{100}){100}){100}) on the engine thread."""
+
+
+def _over(histogram: dict[str, Any], bound: float) -> int:
+    """How many observations of a stats() histogram exceeded ``bound`` (a bucket edge)."""
+    buckets = histogram["buckets"]
+    return int(histogram["count"] - buckets[str(bound)])
+
+
+async def _hostile_run(rng: random.Random) -> Problems:
+    problems = Problems()
+    async with echo_engine(echo_step_s=0.002, max_num_seqs=64) as engine, served(engine) as server:
+        async with http_client() as client:
+            mix = Mix(engine, client, server.url, rng, problems)
+            streams = [
+                engine.stream(f"{word} keeps streaming", max_tokens=1500, ignore_eos=True)
+                for word in rng.sample(WORDS, 12)
+            ]
+            readers = [asyncio.ensure_future(read_py(s)) for s in streams]
+            attacks = [
+                mix.scenario(f"#{i} hostile/{transport}", "hostile", transport, "x", case, v)
+                for i, (transport, case, v) in enumerate(
+                    (t, c, v) for t in ("py", "http") for c in sorted(HOSTILE) for v in range(2)
+                )
+            ]
+            await asyncio.gather(*attacks)
+            for reader in readers:
+                reading = await asyncio.wait_for(reader, SCENARIO_S)
+                problems.check(
+                    reading.reasons == {0: "length"}, f"a live stream ended {reading.reasons}"
+                )
+        histograms = engine.stats()["histograms"]
+        slow_steps = _over(histograms["step_duration_seconds"], STALL_S)
+        problems.check(slow_steps == 0, f"{slow_steps} engine step(s) took over {STALL_S} s")
+        lagged = _over(histograms["event_loop_lag_seconds"], STALL_S)
+        problems.check(lagged == 0, f"{lagged} step(s) waited over {STALL_S} s for the loop")
+        await check_drained(engine, problems)
+    return problems
+
+
+def test_hostile_constraints_are_refused_and_never_stall_the_engine_or_the_loop() -> None:
+    """Every hostile constraint of the chaos mix, in both transports and uncached variants,
+    while twelve long streams run: each is refused (or fails alone), the streams finish,
+    nothing leaks, and no step or loop wait passes STALL_S."""
+    seed = chaos_seed()
+    with seeded(seed) as rng:
+        problems = run(_hostile_run(rng), timeout=120.0)
+        problems.assert_none("hostile constraints")

@@ -106,22 +106,18 @@ def parse_json(body: bytes) -> Any:
     return value
 
 
-def nesting_depth(value: Any) -> int:
-    """How deep arrays and objects nest in ``value`` (a scalar is 0), without recursion."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
+def nesting_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """How deep arrays and objects nest in ``value`` (a scalar is 0), level by level
+    without recursion; counting stops one level past ``limit``."""
+    depth = 0
+    level = [value] if isinstance(value, (dict, list)) else []
+    while level and depth <= limit:
         depth += 1
-        deepest = max(deepest, depth)
-        stack.extend((child, depth) for child in children if isinstance(child, (dict, list)))
-    return deepest
+        children: list[Any] = []
+        for item in level:
+            children.extend(item.values() if isinstance(item, dict) else item)
+        level = [child for child in children if isinstance(child, (dict, list))]
+    return depth
 
 
 def _too_deep() -> APIError:

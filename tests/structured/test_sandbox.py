@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,8 +57,9 @@ def wait_for(predicate: Callable[[], bool], what: str) -> None:
 
 
 def is_running(compiler: GrammarCompiler, spec: StructuredOutput) -> bool:
+    """Whether ``spec``'s job has reached its child (sent, its reply awaited)."""
     entry = compiler._entries.get(spec_key(spec))
-    return entry is not None and entry.running_in is not None
+    return entry is not None and entry.running_in is not None and entry.running_in.in_job
 
 
 def process_exists(pid: int) -> bool:
@@ -244,3 +246,22 @@ def test_concurrent_callers_share_one_compile(fresh: Callable[..., GrammarCompil
         results = list(pool.map(compiler.compile, [spec] * 16))
     assert all(r is results[0] for r in results)
     assert compiler.stats.misses == 1 and compiler.stats.hits == 15
+
+
+def test_a_child_killed_from_outside_is_not_held_against_the_grammar(
+    fresh: Callable[..., GrammarCompiler],
+) -> None:
+    """The OOM killer or an operator ends a child mid-compile: that compile is refused
+    (not cached), the next one gets a new child; children sit in their own session, so a
+    Ctrl-C meant for this process never reaches them."""
+    compiler = fresh(num_slots=1, timeout_s=600.0)
+    waiter = compiler.submit(SLOW)
+    wait_for(lambda: is_running(compiler, SLOW), "the slow grammar runs in the child")
+    (pid,) = compiler.child_pids
+    assert os.getsid(pid) != os.getsid(0)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RequestError, match="process ended while compiling"):
+        waiter.result(timeout=WAIT_S)
+    assert spec_key(SLOW) not in compiler._entries
+    assert compiler.compile(PLAIN).new_matcher().error is None
+    assert compiler.child_pids != [pid]

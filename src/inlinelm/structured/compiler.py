@@ -184,7 +184,8 @@ class GrammarCompiler:
         for sandbox in sandboxes:
             sandbox.kill()
         for thread in threads:
-            thread.join()
+            if thread is not threading.current_thread():  # NOTE: a finalizer may run on one
+                thread.join()
         closed = EngineClosedError("the engine was closed")
         for waiter in waiters:
             _resolve(waiter, closed)
@@ -359,6 +360,10 @@ class GrammarCompiler:
                 "(grammar_compile_timeout_s); simplify it"
             )
         logger.warning("a %s crashed the grammar compiler: %s", what, error)
+        if not (isinstance(error, SandboxCrashed) and error.is_fault):
+            # NOTE: killed from outside (the OOM killer, an operator) or a failure of our
+            # own: say so, but do not hold it against the grammar for good.
+            return _NotCached(f"the grammar compiler process ended while compiling the {what}")
         return RequestError(
             f"invalid {what}: it crashed the grammar compiler (too deeply nested or too "
             "large); simplify it",

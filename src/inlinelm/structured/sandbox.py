@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -42,6 +43,7 @@ START_TIMEOUT_S = 60.0
 second on an idle machine)."""
 
 _PROGRAM = Path(__file__).with_name("sandbox_main.py")
+_FAULTS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,12 @@ class SandboxCrashed(Exception):
         self.returncode = returncode
         self.before_job = before_job
 
+    @property
+    def is_fault(self) -> bool:
+        """Whether the child died of a fault of its own (a stack overflow is a SIGSEGV):
+        the grammar's doing, not a kill from outside."""
+        return self.returncode is not None and -self.returncode in _FAULTS
+
 
 class SandboxTimeout(Exception):
     """The child did not answer within the job's time; it has been killed."""
@@ -98,10 +106,15 @@ class Sandbox:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
+            # NOTE: its own session: a Ctrl-C meant for this process must not end a compile
+            # in hand (which would then read as the grammar's crash); close() ends it, and it
+            # exits by itself when this process dies (its stdin closes).
+            start_new_session=True,
         )
         self._stdin: IO[bytes] = self._process.stdin  # type: ignore[assignment]  # PIPE
         self._stdout: IO[bytes] = self._process.stdout  # type: ignore[assignment]  # PIPE
         self._killed = threading.Event()
+        self.in_job = False  # a job was sent and its reply is awaited
         hello = {
             "tokenizer": tokenizer.json,
             "n_vocab": tokenizer.n_vocab,
@@ -128,7 +141,11 @@ class Sandbox:
         """Send one job and wait for its reply: :class:`SandboxTimeout` past ``timeout_s``
         (the child is killed), :class:`SandboxCrashed` when the child dies first."""
         self._send(job)
-        reply = self._receive(timeout_s)
+        self.in_job = True
+        try:
+            reply = self._receive(timeout_s)
+        finally:
+            self.in_job = False
         if reply.get("exit"):
             self._crashed()  # NOTE: it ends after this reply: reap it, never send it more
         return reply

@@ -17,7 +17,6 @@ are a cache: every answer is the same whichever choice computed them.
 
 from __future__ import annotations
 
-import re
 from array import array
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -57,7 +56,7 @@ class StopAutomaton:
         "_chains",
         "_terminals",
         "fail",
-        "first_char",
+        "first_chars",
         "hold",
         "match",
         "more",
@@ -76,9 +75,8 @@ class StopAutomaton:
         self._lay_out(num_nodes)
         self.root_children = self._branches.get(0, {})
         # NOTE: from the root only a stop's first character leads anywhere, so a matcher at
-        # the root skips to the next one with a C-level search instead of a Python loop.
-        first = "".join(map(re.escape, sorted({stop[0] for stop in stops})))
-        self.first_char = re.compile(f"[{first}]" if first else "(?!)")  # (?!) never matches
+        # the root passes over text without one (a C-level set check) without a Python loop
+        self.first_chars = frozenset(self.root_children)
 
     def goto(self, node: int, char: str) -> int:
         """The node after ``char`` from ``node`` (``node`` and its failure chain are computed)."""

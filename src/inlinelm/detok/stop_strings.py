@@ -15,7 +15,7 @@ How: a request's :class:`StopStrings` is an Aho–Corasick automaton over its st
 choices. Each choice's :class:`StopMatcher` holds only its state: the node of the longest
 suffix of its text that is a prefix of a stop. Each new character is fed once, so a step
 costs the length of its own text, however long the stops or the output; at the root, a
-C-level search skips to the next character that starts a stop.
+C-level check passes over new text in which no character starts a stop.
 """
 
 from __future__ import annotations
@@ -81,11 +81,11 @@ class StopMatcher:
     then how much of the end of the text fed so far could still start a stop string.
     """
 
-    __slots__ = ("_automaton", "_roots", "_skip", "_state", "num_held")
+    __slots__ = ("_automaton", "_first_chars", "_roots", "_state", "num_held")
 
     def __init__(self, automaton: StopAutomaton) -> None:
         self._automaton = automaton
-        self._skip = automaton.first_char.search
+        self._first_chars = automaton.first_chars
         self._roots = automaton.root_children
         self._state = 0
         # NOTE: a plain attribute, kept equal to the state's hold-back, since it is read for
@@ -100,20 +100,20 @@ class StopMatcher:
         over, though they may still start there. Positions in the result index ``text``.
         After a match the matcher is spent: the request it serves is over.
         """
-        if self._state == 0:
-            hit = self._skip(text, start)
-            if hit is None:  # NOTE: the common case: no character here starts a stop
-                return None
-            start = hit.start()
+        # NOTE: the common case, one C-level check: at the root, and no character of the new
+        # text starts a stop (usually the text is all new: nothing was held back)
+        if self._state == 0 and self._first_chars.isdisjoint(text[start:] if start else text):
+            return None
         return self._run(text, start, searchable_from)
 
     def _run(self, text: str, pos: int, searchable_from: int) -> StopMatch | None:
         automaton = self._automaton
-        next_chars, more, fail, match = (
+        next_chars, more, fail, match, roots = (
             automaton.next_chars,
             automaton.more,
             automaton.fail,
             automaton.match,
+            self._roots,
         )
         node = self._state
         end = len(text)
@@ -121,16 +121,14 @@ class StopMatcher:
             char = text[pos]
             pos += 1
             if node == 0:
-                node = self._roots[char]  # NOTE: the skip stopped at a first character
+                node = roots.get(char, 0)
+                if node == 0:
+                    continue
             elif next_chars[node] == char and more[node]:
                 node += 1  # the usual step, down the node's own chain, inlined
             else:
                 node = automaton.goto(node, char)
                 if node == 0:
-                    hit = self._skip(text, pos)
-                    if hit is None:
-                        break
-                    pos = hit.start()
                     continue
             if fail[node] < 0:  # the first text to reach this node
                 automaton.reach(node)

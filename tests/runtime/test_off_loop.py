@@ -13,6 +13,8 @@ import pytest
 
 from inlinelm.api import create_app
 from inlinelm.config import EngineConfig
+from inlinelm.runtime import engine as engine_module
+from inlinelm.runtime.engine import decode_all
 from tests.api.conftest import ServerThread, serve
 from tests.runtime.helpers import echo_engine, run
 
@@ -91,16 +93,18 @@ def server() -> Iterator[ServerThread]:
 
 
 @pytest.fixture
-def threads(server: ServerThread) -> Iterator[Threads]:
+def threads(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> Iterator[Threads]:
     engine = server.server.config.app.state.engine
     threads = Threads()
     tokenizer = engine.tokenizer
-    saved = {name: getattr(tokenizer, name) for name in ("encode", "decode", "batch_decode")}
+    saved = {name: getattr(tokenizer, name) for name in ("encode", "decode")}
     for name in saved:
         threads.wrap(tokenizer, name)
+    threads.wrap(engine_module, "decode_all")
     yield threads
     for name, method in saved.items():
         setattr(tokenizer, name, method)
+    monkeypatch.setattr(engine_module, "decode_all", decode_all)
 
 
 def post(server: ServerThread, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -127,10 +131,10 @@ def test_detokenize_of_many_ids_decodes_off_the_loop(
     engine = server.server.config.app.state.engine
     ids = list(range(1000, 1000 + LIMIT))
     text = post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
-    assert threads.off_loop("batch_decode")
+    assert threads.off_loop("decode_all")
     threads.clear()
     short = post(server, "/detokenize", {"tokens": ids[:10]}).json()["prompt"]
-    assert "batch_decode" not in threads.names and not threads.off_loop("decode")
+    assert "decode_all" not in threads.names and not threads.off_loop("decode")
     assert (text, short) == (engine.tokenizer.decode(ids), engine.tokenizer.decode(ids[:10]))
 
 
@@ -140,7 +144,27 @@ def test_echo_of_many_token_id_prompts_decodes_off_the_loop(
     prompts = [list(range(2000 + i, 2000 + i + 100)) for i in range(20)]  # 2,000 ids
     body = {"prompt": prompts, "max_tokens": 1, "echo": True}
     choices = post(server, "/v1/completions", body).json()["choices"]
-    assert threads.off_loop("batch_decode")
+    assert threads.off_loop("decode_all")
     engine = server.server.config.app.state.engine
     for choice, prompt in zip(choices, prompts, strict=True):
         assert choice["text"].startswith(engine.tokenizer.decode(prompt))
+
+
+def test_decode_all_is_what_the_tokenizer_decodes(tokenizer: Any) -> None:
+    """The batch decode off the loop (Rust, GIL released) gives transformers' decode
+    exactly: special tokens kept, byte-level pieces; a tokenizer that cleans up spaces
+    decodes through transformers itself."""
+    import random
+
+    rng = random.Random(0)
+    lists = [[rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 60))] for _ in range(50)]
+    lists.append([tokenizer.eos_token_id, 1, 2, 3])
+    assert decode_all(tokenizer, lists) == [tokenizer.decode(ids) for ids in lists]
+    assert not tokenizer.clean_up_tokenization_spaces  # the Rust path ran
+    cleaned = tokenizer.__class__.from_pretrained(
+        tokenizer.name_or_path, clean_up_tokenization_spaces=True
+    )
+    cleaned.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    text_ids = [cleaned.encode("Hello , world ! It 's fine .")]
+    assert decode_all(cleaned, text_ids) == [cleaned.decode(text_ids[0])]
+    assert decode_all(cleaned, text_ids) != [tokenizer.decode(text_ids[0])]

@@ -467,8 +467,7 @@ class Engine:
         lists = [list(ids) for ids in prompts]
         if sum(map(len, lists)) <= self.config.max_inline_prompt_chars // 4:
             return [str(tokenizer.decode(ids)) for ids in lists]
-        texts: list[str] = await self._workers.tokenize(tokenizer.batch_decode, lists)
-        return texts
+        return await self._workers.tokenize(decode_all, tokenizer, lists)
 
     def _submit(
         self,
@@ -571,6 +570,19 @@ class Engine:
             raise EngineDeadError(f"the engine failed: {error!r}") from error
         if self._closed:
             raise EngineClosedError("the engine is closed")
+
+
+def decode_all(tokenizer: Any, lists: list[list[int]]) -> list[str]:
+    """``[tokenizer.decode(ids) for ids in lists]``, with the GIL released while it runs
+    when the tokenizer is a fast one (the Rust batch decode; transformers' own decode holds
+    the GIL for the whole call, which stalls the event loop however many threads there are)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        # NOTE: transformers' space cleanup (its rules vary by version) follows the Rust
+        # decode only through its own decode.
+        return [str(tokenizer.decode(ids)) for ids in lists]
+    texts: list[str] = backend.decode_batch(lists, skip_special_tokens=False)
+    return texts
 
 
 def _shutdown(loaded: LoadedEngine) -> None:

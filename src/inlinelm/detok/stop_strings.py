@@ -11,11 +11,12 @@ Semantics (shared by every detokenizer, and by the reference in the tests):
   so a stop set never delays text that cannot start a stop string.
 
 How: a request's :class:`StopStrings` is an Aho–Corasick automaton over its stop strings
-(:mod:`inlinelm.detok.stop_automaton`), built once and shared, read-only, by the request's
-choices. Each choice's :class:`StopMatcher` holds only its state: the node of the longest
-suffix of its text that is a prefix of a stop. Each new character is fed once, so a step
-costs the length of its own text, however long the stops or the output; at the root, a
-C-level check passes over new text in which no character starts a stop.
+(:mod:`inlinelm.detok.stop_automaton`), built once and shared by the request's choices (its
+failure links fill in as texts reach them, the same whichever choice gets there first, all on
+the request's event loop). Each choice's :class:`StopMatcher` holds only its state: the node
+of the longest suffix of its text that is a prefix of a stop. Each new character is fed
+once, so a step costs the length of its own text, however long the stops or the output; at
+the root, a C-level check passes over new text in which no character starts a stop.
 """
 
 from __future__ import annotations

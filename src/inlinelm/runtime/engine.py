@@ -531,7 +531,7 @@ class Engine:
             prompt_ids,
             params,
             arrival,
-            lambda: loaded.make_detokenizer(prompt_ids, params),
+            functools.partial(loaded.make_detokenizer, prompt_ids, params),
             max_backlog_bytes=self.config.max_stream_backlog_bytes,
             stream_interval=params.stream_interval or self.config.stream_interval,
         )

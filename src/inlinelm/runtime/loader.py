@@ -35,8 +35,13 @@ class LoadedEngine:
     admission: Admission
     grammars: GrammarCompiler
 
-    def make_detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> Any:
-        """A fresh incremental detokenizer for one choice."""
+    def make_detokenizer(self, prompt_ids: list[int], params: SamplingParams, stops: Any) -> Any:
+        """A fresh incremental detokenizer for one choice.
+
+        ``stops`` is the request's ``inlinelm.detok.StopStrings``, built once and shared by
+        its choices (None when it has no stop strings); typed ``Any`` like the detokenizer,
+        since the detokenizers load with the engine, not with this module.
+        """
         from inlinelm.detok import make_detokenizer
 
         return make_detokenizer(
@@ -44,7 +49,7 @@ class LoadedEngine:
             prompt_ids,
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
-            stop=params.stop,
+            stop=() if stops is None else stops,
             include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens,
         )

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inlinelm.runtime.collector import RequestOutputCollector
 from inlinelm.runtime.outputs import CompletionOutput, RequestMetrics
 from inlinelm.sampling_params import OutputKind, SamplingParams
 from inlinelm.sched.output import TokenLogprobs
 from inlinelm.sched.request import Request
+
+if TYPE_CHECKING:
+    from inlinelm.detok import StopStrings
 
 
 @dataclass(slots=True, eq=False)
@@ -61,7 +64,7 @@ def make_states(
     prompt_ids: list[int],
     params: SamplingParams,
     arrival: float,
-    make_detokenizer: Callable[[], Any],
+    make_detokenizer: Callable[[StopStrings | None], Any],
     *,
     max_backlog_bytes: int,
     stream_interval: int,
@@ -70,7 +73,8 @@ def make_states(
 
     The choices' engine-side ids are ``"<submission>:<request_id>"`` (``…#i`` for n > 1):
     unique per submission whatever the caller's id, so a late output or abort of an earlier
-    request with the same caller id can never reach this one.
+    request with the same caller id can never reach this one. ``make_detokenizer`` makes a
+    choice's detokenizer from the request's stop strings, built here once for all choices.
     """
     delta = params.output_kind is OutputKind.DELTA
     collector = RequestOutputCollector(delta=delta, max_backlog_bytes=max_backlog_bytes)
@@ -79,11 +83,26 @@ def make_states(
     parent = ParentRequest(
         request_id, collector, prompt_ids, RequestMetrics(arrival), params, params.n, child_ids
     )
+    stops = stop_strings(params)
     children = [
-        RequestState(cid, i, parent, make_detokenizer(), params.output_kind, stream_interval)
+        RequestState(cid, i, parent, make_detokenizer(stops), params.output_kind, stream_interval)
         for i, cid in enumerate(child_ids)
     ]
     return parent, children
+
+
+def stop_strings(params: SamplingParams) -> StopStrings | None:
+    """The request's stop strings, prepared for matching (None when it has none).
+
+    Built once per request: its choices share the table read-only, each keeping only its own
+    matcher state. The build does a few string operations per stop, whatever their lengths.
+    """
+    if not params.stop:
+        return None
+    # NOTE: imported here like the detokenizers: they load with the engine (tokenizers)
+    from inlinelm.detok import StopStrings
+
+    return StopStrings(params.stop)
 
 
 def engine_requests(

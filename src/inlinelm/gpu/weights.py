@@ -21,12 +21,13 @@ from inlinelm.gpu.llama import (
     onednn_packing_available,
 )
 from inlinelm.gpu.model_config import ModelConfig
+from inlinelm.gpu.model_files import weight_files
 from inlinelm.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors header names
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +52,10 @@ def load_model(
 
     ``kernels`` defaults to :class:`~inlinelm.gpu.kernels.TorchKernels`.
 
-    Raises ``ModelLoadError`` naming the file and tensor for truncated files, shape
-    mismatches, non-float tensors and missing tensors; nothing half-loaded is returned.
+    Raises ``ModelLoadError`` naming the file and tensor for unreadable or truncated
+    files, shape mismatches, non-float tensors (both checked from the header, before the
+    tensor is read) and missing tensors; nothing half-loaded is returned. Whether the model
+    fits in memory is the caller's check (``model_memory``), made before this allocates.
     """
     start = time.perf_counter()
     with torch.device("meta"):
@@ -98,14 +101,16 @@ def _load_files(folder: Path, cfg: ModelConfig, params: dict[str, torch.Tensor])
     from safetensors import SafetensorError
 
     loaded: set[_Target] = set()
-    files = sorted(folder.glob("*.safetensors"))
+    files = weight_files(folder)
     total = sum(path.stat().st_size for path in files)
     desc = f"loading {folder.name} weights"
     with progress_bar(total, desc, unit="B", unit_scale=True, unit_divisor=1024) as bar:
         for i, path in enumerate(files):
             try:
                 num_bytes = _load_file(path, cfg, params, loaded, bar)
-            except SafetensorError as e:
+            # NOTE: the boundary of the file read: safetensors reports a bad header or data
+            # as SafetensorError, the OS an unreadable file as OSError.
+            except (SafetensorError, OSError) as e:
                 raise ModelLoadError(
                     f"unreadable or truncated safetensors file ({e})", path=str(path)
                 ) from e
@@ -124,20 +129,25 @@ def _load_file(
     path: Path, cfg: ModelConfig, params: dict[str, torch.Tensor], loaded: set[_Target], bar: Any
 ) -> int:
     """Copy the tensors of one file into ``params`` (adding them to ``loaded``), advancing
-    ``bar`` by each tensor's bytes; returns the bytes counted."""
+    ``bar`` by each tensor's bytes; returns the bytes counted. Each tensor's dtype and
+    shape are checked from the header before its data is read."""
     from safetensors import safe_open
 
     num_bytes = 0
     with safe_open(str(path), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
             target = _target(name, cfg)
-            if target is not None:
-                tensor = f.get_tensor(name)
-                _copy(tensor, target, params, cfg, path, name)
-                loaded.add(target)
-                size = tensor.numel() * tensor.element_size()
-                bar.update(size)
-                num_bytes += size
+            if target is None:
+                continue
+            header = f.get_slice(name)
+            dest = _destination(target, params, cfg, path, name)
+            _check_header(header.get_dtype(), tuple(header.get_shape()), dest, path, name)
+            tensor = f.get_tensor(name)
+            dest.copy_(tensor)
+            loaded.add(target)
+            size = tensor.numel() * tensor.element_size()
+            bar.update(size)
+            num_bytes += size
     return num_bytes
 
 
@@ -185,31 +195,35 @@ def _rows(target: _Target, cfg: ModelConfig) -> tuple[int, int] | None:
     return ranges.get(target.shard)
 
 
-def _copy(
-    tensor: torch.Tensor,
-    target: _Target,
-    params: dict[str, torch.Tensor],
-    cfg: ModelConfig,
-    path: Path,
-    name: str,
-) -> None:
+def _destination(
+    target: _Target, params: dict[str, torch.Tensor], cfg: ModelConfig, path: Path, name: str
+) -> torch.Tensor:
+    """The parameter (or the rows of a fused one) a checkpoint tensor is copied into."""
     if target.param not in params:
         raise ModelLoadError(
             "tensor does not belong to this architecture", path=str(path), field=name
         )
-    if tensor.dtype not in _FLOAT_DTYPES:
-        raise ModelLoadError(f"unsupported weight dtype {tensor.dtype}", path=str(path), field=name)
     dest = params[target.param]
     rows = _rows(target, cfg)
-    if rows is not None:
-        dest = dest[rows[0] : rows[1]]
-    if tuple(tensor.shape) != tuple(dest.shape):
+    return dest if rows is None else dest[rows[0] : rows[1]]
+
+
+def _check_header(
+    dtype: str, shape: tuple[int, ...], dest: torch.Tensor, path: Path, name: str
+) -> None:
+    """A checkpoint tensor's header entry against the parameter it fills."""
+    if dtype not in _FLOAT_DTYPES:
         raise ModelLoadError(
-            f"shape mismatch: file has {tuple(tensor.shape)}, model expects {tuple(dest.shape)}",
+            f"unsupported weight dtype {dtype} (supported: {', '.join(_FLOAT_DTYPES)})",
             path=str(path),
             field=name,
         )
-    dest.copy_(tensor)
+    if shape != tuple(dest.shape):
+        raise ModelLoadError(
+            f"shape mismatch: file has {shape}, model expects {tuple(dest.shape)}",
+            path=str(path),
+            field=name,
+        )
 
 
 def _check_complete(

@@ -30,6 +30,7 @@ from inlinelm.gpu.kv_cache import (
     peak_memory_of,
 )
 from inlinelm.gpu.model_config import ModelConfig
+from inlinelm.gpu.model_memory import check_model_memory
 from inlinelm.gpu.sampler import (
     Sampler,
     SamplerOutput,
@@ -63,6 +64,22 @@ def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     return config.max_model_len
 
 
+def check_model_fits(config: EngineConfig, folder: Path) -> tuple[ModelConfig, int]:
+    """The model's checked config and served context length, once what the runner would
+    allocate for them is known to fit this machine; reads config.json and the memory
+    counters only, so it runs before anything large exists.
+
+    Raises ``ModelLoadError`` for a bad config.json or a model too big for the memory
+    (naming the field), ``ConfigError`` for an engine option that does not fit.
+    """
+    cfg = ModelConfig.from_folder(folder)
+    max_model_len = resolve_max_model_len(config, cfg)
+    check_model_memory(
+        config, cfg, max_model_len, _DTYPES[config.model_dtype], folder / "config.json"
+    )
+    return cfg, max_model_len
+
+
 class ModelRunner:
     """Loads the model, owns the paged KV cache and the persistent batch, runs steps."""
 
@@ -70,8 +87,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.model_dtype]
-        self.model_config = ModelConfig.from_folder(folder)
-        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        self.model_config, self.max_model_len = check_model_fits(config, folder)
         free_at_start = free_device_memory(self.device) if self.device.type == "cuda" else None
         # NOTE: one choice for attention and the model's other kernels: FlashInfer for all,
         # or torch for all (the torch path is the reference the device tests compare to).

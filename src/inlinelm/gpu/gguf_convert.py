@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,8 @@ import numpy as np
 import torch
 
 from inlinelm.errors import ModelLoadError
+from inlinelm.gpu.model_config import ModelConfig, parse_config
+from inlinelm.gpu.model_memory import format_bytes, host_memory_available
 from inlinelm.progress import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -36,7 +40,19 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_LAYER_WEIGHTS = tuple(name for name in _LAYER_NAMES if name.endswith(".weight"))
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_REQUIRED_SIZES = (
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+)
+"""``{arch}.*`` keys the config is built from (transformers fills a missing one silently)."""
+_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")
+_INT_TYPES = ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64")
+_FLOAT32 = 4
 # llama.cpp's recommended-sampling keys -> generation_config.json keys
 _SAMPLING_KEYS = {
     "general.sampling.temp": "temperature",
@@ -49,57 +65,248 @@ _SAMPLING_KEYS = {
 
 def convert_gguf(path: Path, out: Path) -> None:
     """Write config.json, model.safetensors and the tokenizer files of ``path`` into ``out``,
-    and generation_config.json when the file recommends sampling values."""
-    import gguf
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
+    and generation_config.json when the file recommends sampling values.
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:
-        raise ModelLoadError(f"not a readable GGUF file ({e})", path=str(path)) from e
-    arch = _field_str(reader, "general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
-        raise ModelLoadError(
-            f"unsupported GGUF architecture {arch!r}", path=str(path), field="general.architecture"
-        )
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    config.save_pretrained(str(out))
-    tensors = _dequantize_all(reader, path, config, permuted=_SUPPORTED_ARCHS[arch])
+    Everything the header tells is checked before a tensor is dequantized: the
+    architecture and the metadata keys the config is built from, every tensor's name,
+    shape and type, and the memory and disk the float32 copy needs. Raises
+    ``ModelLoadError`` naming the file and the key or tensor at fault.
+    """
+    from safetensors.torch import save_file
+
+    reader = _open(path)
+    arch = _check_metadata(reader, path)
+    cfg = _convert_config(path, out)
+    _check_tensors(reader, path, cfg)
+    _check_room(reader, path, out)
+    tensors = _dequantize_all(reader, path, cfg, permuted=_SUPPORTED_ARCHS[arch])
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tokenizer.save_pretrained(str(out))
+    del tensors
+    _convert_tokenizer(path, out)
     generation = _sampling_fields(reader)
     if generation:
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
 
 
-def _sampling_fields(reader: object) -> dict[str, Any]:
+def _open(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    # NOTE: the boundary of a third-party parser: gguf-py reports a bad magic, a short
+    # file or a broken header as whatever numpy or struct raised on the way.
+    except Exception as e:
+        raise ModelLoadError(f"not a readable GGUF file ({e})", path=str(path)) from e
+
+
+def _check_metadata(reader: Any, path: Path) -> str:
+    """The file's architecture, once the keys its config is built from are present and
+    consistent (transformers would fill a missing one with its own default)."""
+    arch = _field_str(reader, "general.architecture", path)
+    if arch not in _SUPPORTED_ARCHS:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_SUPPORTED_ARCHS)}",
+            path=str(path),
+            field="general.architecture",
+        )
+    sizes = {key: _field_int(reader, f"{arch}.{key}", path) for key in _REQUIRED_SIZES}
+    heads, hidden = sizes["attention.head_count"], sizes["embedding_length"]
+    kv_key, key_length = f"{arch}.attention.head_count_kv", f"{arch}.attention.key_length"
+    kv_heads = _field_int(reader, kv_key, path) if kv_key in reader.fields else heads
+    if key_length not in reader.fields and hidden % heads:
+        raise ModelLoadError(
+            f"head_count {heads} does not divide embedding_length {hidden}",
+            path=str(path),
+            field=f"{arch}.attention.head_count",
+        )
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"head_count_kv {kv_heads} does not divide head_count {heads}",
+            path=str(path),
+            field=kv_key,
+        )
+    for key in _TOKENIZER_KEYS:
+        if key not in reader.fields:
+            raise ModelLoadError(
+                f"missing {key}: the tokenizer is built from it", path=str(path), field=key
+            )
+    return arch
+
+
+def _convert_config(path: Path, out: Path) -> ModelConfig:
+    """Write transformers' config of the file into ``out`` and check it as any config.json
+    (errors name the GGUF file)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    # NOTE: the boundary of transformers' GGUF reader (its own errors and huggingface_hub's
+    # validation errors); our checks above name the common faults first.
+    except Exception as e:
+        raise ModelLoadError(
+            f"transformers cannot read its metadata ({type(e).__name__}: {e})", path=str(path)
+        ) from e
+    config.save_pretrained(str(out))
+    return parse_config(json.loads((out / "config.json").read_text()), str(path))
+
+
+def _convert_tokenizer(path: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # NOTE: the boundary of transformers' GGUF tokenizer conversion (see _convert_config).
+    except Exception as e:
+        raise ModelLoadError(
+            f"transformers cannot build the tokenizer from its tokenizer.ggml.* keys "
+            f"({type(e).__name__}: {e})",
+            path=str(path),
+        ) from e
+    tokenizer.save_pretrained(str(out))
+
+
+def _check_tensors(reader: Any, path: Path, cfg: ModelConfig) -> None:
+    """Every tensor known, shaped as the metadata says, of a type gguf can dequantize; and
+    every tensor the model needs present."""
+    dequantizable: dict[Any, bool] = {}
+    for t in reader.tensors:
+        _hf_name(t.name, path)
+        expected = _expected_shape(t.name, cfg)
+        if expected is None:
+            raise ModelLoadError(
+                f"a tensor of a layer past block_count {cfg.num_layers}",
+                path=str(path),
+                field=t.name,
+            )
+        # NOTE: GGUF lists dimensions innermost first; numpy and torch outermost first.
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        if shape != expected:
+            raise ModelLoadError(
+                f"tensor shape {shape}, but the metadata makes it {expected}",
+                path=str(path),
+                field=t.name,
+            )
+        if not dequantizable.setdefault(t.tensor_type, _can_dequantize(t.tensor_type)):
+            raise ModelLoadError(
+                f"tensor type {t.tensor_type.name} has no dequantizer in gguf-py (not a weight "
+                "type inlinelm can convert)",
+                path=str(path),
+                field=t.name,
+            )
+    present = {t.name for t in reader.tensors}
+    missing = next((name for name in _required_tensors(cfg) if name not in present), None)
+    if missing is not None:
+        raise ModelLoadError("a tensor the model needs is missing", path=str(path), field=missing)
+
+
+def _check_room(reader: Any, path: Path, out: Path) -> None:
+    """Refuse a conversion whose float32 tensors cannot fit the memory or the cache disk:
+    they are all held in memory, then written out."""
+    sizes = [int(t.n_elements) * _FLOAT32 for t in reader.tensors]
+    total = sum(sizes)
+    # the tensors, plus one dequantized and one copied tensor on their way in
+    need = total + 2 * max(sizes, default=0)
+    available = host_memory_available()
+    if available is not None and need > available:
+        raise ModelLoadError(
+            f"converting it to float32 needs {format_bytes(need)} of memory, and this machine "
+            f"has {format_bytes(available)} available",
+            path=str(path),
+        )
+    free_disk = shutil.disk_usage(out).free
+    if total > free_disk:
+        raise ModelLoadError(
+            f"its float32 copy needs {format_bytes(total)} of disk in {out.parent}, which has "
+            f"{format_bytes(free_disk)} free (INLINELM_CACHE chooses the folder)",
+            path=str(path),
+        )
+
+
+def _can_dequantize(tensor_type: Any) -> bool:
+    """Whether gguf-py has a dequantizer for ``tensor_type``: tried on one zero block."""
+    import gguf
+
+    _, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
+    try:
+        gguf.quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), tensor_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _expected_shape(name: str, cfg: ModelConfig) -> tuple[int, ...] | None:
+    """The (numpy-order) shape the config gives a GGUF tensor; None for a layer past the
+    last. Assumes ``name`` is known (``_hf_name`` passed)."""
+    if name == "output_norm.weight":
+        return (cfg.hidden_size,)
+    if name in _GLOBAL_NAMES:
+        return (cfg.vocab_size, cfg.hidden_size)
+    match = _BLOCK.match(name)
+    assert match is not None, "_hf_name accepted the name"
+    if int(match.group(1)) >= cfg.num_layers:
+        return None
+    return _layer_shapes(cfg)[match.group(2)]
+
+
+def _required_tensors(cfg: ModelConfig) -> Iterator[str]:
+    """The GGUF tensors the model cannot do without, layer by layer (lazily: a hostile
+    block_count must not build a list of a billion names)."""
+    yield "token_embd.weight"
+    yield "output_norm.weight"
+    if not cfg.tie_word_embeddings:
+        yield "output.weight"
+    biases = ("attn_q.bias", "attn_k.bias", "attn_v.bias") if cfg.attention_bias else ()
+    for i in range(cfg.num_layers):
+        for suffix in (*_LAYER_WEIGHTS, *biases):
+            yield f"blk.{i}.{suffix}"
+
+
+def _sampling_fields(reader: Any) -> dict[str, Any]:
     """The ``general.sampling.*`` values of the file, under generation_config.json names."""
     values: dict[str, Any] = {}
     for key, name in _SAMPLING_KEYS.items():
-        field = reader.fields.get(key)  # type: ignore[attr-defined]
+        field = reader.fields.get(key)
         if field is not None and field.data:
             values[name] = field.parts[field.data[0]].tolist()[0]
     return values
 
 
-def _field_str(reader: object, key: str) -> str:
-    field = reader.fields.get(key)  # type: ignore[attr-defined]
+def _field_str(reader: Any, key: str, path: Path) -> str:
+    import gguf
+
+    field = reader.fields.get(key)
     if field is None:
-        return ""
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+        raise ModelLoadError(f"missing {key}", path=str(path), field=key)
+    if field.types != [gguf.GGUFValueType.STRING]:
+        raise ModelLoadError(f"{key} is not a string", path=str(path), field=key)
+    try:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"{key} is not UTF-8 ({e})", path=str(path), field=key) from e
+
+
+def _field_int(reader: Any, key: str, path: Path) -> int:
+    """A positive integer metadata value."""
+    field = reader.fields.get(key)
+    if field is None:
+        raise ModelLoadError(f"missing {key}", path=str(path), field=key)
+    value = field.contents() if len(field.types) == 1 else None
+    if field.types[0].name not in _INT_TYPES or not isinstance(value, int) or value <= 0:
+        kind = "/".join(t.name for t in field.types)
+        raise ModelLoadError(
+            f"{key} is not a positive integer (a {kind})", path=str(path), field=key
+        )
+    return value
 
 
 def _dequantize_all(
-    reader: object, path: Path, config: object, *, permuted: bool
+    reader: Any, path: Path, cfg: ModelConfig, *, permuted: bool
 ) -> dict[str, torch.Tensor]:
     import gguf
 
-    num_heads = int(config.num_attention_heads)  # type: ignore[attr-defined]
-    num_kv_heads = int(config.num_key_value_heads)  # type: ignore[attr-defined]
+    num_heads, num_kv_heads = cfg.num_heads, cfg.num_kv_heads
     tensors: dict[str, torch.Tensor] = {}
-    items = list(reader.tensors)  # type: ignore[attr-defined]
+    items = list(reader.tensors)
     total = sum(int(t.n_bytes) for t in items)
     done = 0
     desc = f"converting {path.name} (once)"
@@ -132,6 +339,26 @@ def _hf_name(name: str, path: Path) -> str:
     if match and match.group(2) in _LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
     raise ModelLoadError(f"unexpected GGUF tensor {name!r}", path=str(path), field=name)
+
+
+def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The (numpy-order) shape of each per-layer GGUF tensor under ``cfg``."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {
+        "attn_norm.weight": (h,),
+        "ffn_norm.weight": (h,),
+        "attn_q.weight": (q, h),
+        "attn_k.weight": (kv, h),
+        "attn_v.weight": (kv, h),
+        "attn_q.bias": (q,),
+        "attn_k.bias": (kv,),
+        "attn_v.bias": (kv,),
+        "attn_output.weight": (h, q),
+        "ffn_gate.weight": (inter, h),
+        "ffn_up.weight": (inter, h),
+        "ffn_down.weight": (h, inter),
+    }
 
 
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:

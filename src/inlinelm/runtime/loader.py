@@ -7,16 +7,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inlinelm.config import EngineConfig
-from inlinelm.errors import ConfigError
+from inlinelm.errors import ConfigError, ModelLoadError
 from inlinelm.runtime.admission import Admission
 from inlinelm.runtime.engine_core import EngineCore
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.output import EngineCoreOutputs, Runner
 from inlinelm.structured.compiler import GrammarCompiler
 from inlinelm.structured.sandbox import TokenizerSource
+
+if TYPE_CHECKING:
+    from inlinelm.gpu.model_config import ModelConfig
 
 logger = logging.getLogger("inlinelm")
 
@@ -56,16 +59,19 @@ class LoadedEngine:
 
 
 def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None]) -> LoadedEngine:
-    """Resolve the model, load tokenizer and runner, warm up, start the engine thread."""
-    from transformers import AutoTokenizer
+    """Resolve the model, load tokenizer and runner, warm up, start the engine thread.
 
-    from inlinelm.gpu.model_files import resolve_model
+    What can be checked cheaply is checked before anything slow or large: the config and
+    whether the model fits in memory (milliseconds), then the tokenizer, then the weights.
+    """
+    from inlinelm.gpu.model_files import load_tokenizer, resolve_model
 
     start = time.perf_counter()
     files = resolve_model(config.model)
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(Path(config.tokenizer) if config.tokenizer else files.folder)
-    )
+    model_config = _check_model_fits(config, files.folder)
+    tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else files.folder)
+    if model_config is not None:
+        _check_vocabulary(len(tokenizer), model_config.vocab_size, files.folder)
     logger.info("tokenizer loaded in %.2f s", time.perf_counter() - start)
     eos = tokenizer.eos_token_id
     defaults = config.sampling_defaults(files.generation)
@@ -95,6 +101,30 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
         cache_bytes=config.grammar_cache_bytes,
     )
     return LoadedEngine(core, tokenizer, max_model_len, eos, admission, grammars)
+
+
+def _check_model_fits(config: EngineConfig, folder: Path) -> ModelConfig | None:
+    """The model's config once it is known to fit (``check_model_fits``); None for the
+    echo runner, which loads no weights."""
+    if config.runner == "echo":
+        return None
+    from inlinelm.gpu.model_runner import check_model_fits
+
+    check_device(config.device)
+    model_config, _ = check_model_fits(config, folder)
+    return model_config
+
+
+def _check_vocabulary(num_tokens: int, vocab_size: int, folder: Path) -> None:
+    """Refuse a tokenizer with ids past the model's embedding (a prompt could hold them,
+    and the engine thread indexes the embedding unchecked)."""
+    if num_tokens > vocab_size:
+        raise ModelLoadError(
+            f"the tokenizer has {num_tokens} tokens but the model's vocab_size is {vocab_size}: "
+            f"ids from {vocab_size} on have no embedding row",
+            path=str(folder / "config.json"),
+            field="vocab_size",
+        )
 
 
 def _build_runner(

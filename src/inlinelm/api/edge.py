@@ -1,0 +1,167 @@
+"""The HTTP edge of ``inlinelm serve``: what a client may hold, and for how long.
+
+A server on a port is open to clients that never mean to finish a request. uvicorn
+bounds some of that itself and this module adds the rest (:class:`EdgeLimits`):
+
+==========================  ===================================  ===========================
+limit                       past it                              by
+==========================  ===================================  ===========================
+``max_header_bytes``        431, connection closed               our httptools protocol
+                                                                 (h11: uvicorn's
+                                                                 ``h11_max_incomplete_event_size``)
+``request_timeout_s``       connection closed (408 if part of    our httptools protocol
+                            a head came)
+``keep_alive_timeout_s``    idle connection closed               uvicorn's ``timeout_keep_alive``
+``max_connections``         503 (uvicorn's plain-text answer)    uvicorn's ``limit_concurrency``
+==========================  ===================================  ===========================
+
+``max_connections`` counts open connections and running requests: once either reaches it,
+every new request is answered 503 and its connection closed. A connection that never
+sends a whole request gets no answer; it is closed when its ``request_timeout_s`` runs
+out, so none holds a place longer than that.
+
+:class:`EdgeServer` is uvicorn's server as ``inlinelm serve`` runs it; apps on their own
+uvicorn pass ``http=edge_protocol(limits)`` and ``**limits.uvicorn_options()`` (README:
+"Under your own server").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from inlinelm.api.app import uvicorn_options
+from inlinelm.errors import ConfigError, InlineLMError
+
+if TYPE_CHECKING:
+    from inlinelm.runtime.engine import Engine
+
+logger = logging.getLogger("inlinelm.api.edge")
+
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
+DEFAULT_MAX_CONNECTIONS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    """How much a client may send before its request is whole, how long it may take, how
+    long an idle connection stays, and how many connections the server holds (see the
+    module docstring for what answers each). ``max_connections=None``: no bound."""
+
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    max_connections: int | None = DEFAULT_MAX_CONNECTIONS
+
+    def __post_init__(self) -> None:
+        if self.max_header_bytes < 1024:
+            raise ConfigError(
+                f"max_header_bytes must be at least 1024, got {self.max_header_bytes}",
+                option="max_header_bytes",
+            )
+        for option in ("request_timeout_s", "keep_alive_timeout_s"):
+            if not getattr(self, option) > 0:
+                raise ConfigError(
+                    f"{option} must be positive, got {getattr(self, option)}", option=option
+                )
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ConfigError(
+                f"max_connections must be at least 1, got {self.max_connections}",
+                option="max_connections",
+            )
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        """The limits uvicorn enforces itself, as ``uvicorn.Config`` / ``uvicorn.run``
+        keywords (the rest need :func:`edge_protocol` as ``http=``)."""
+        return {
+            "limit_concurrency": self.max_connections,
+            "timeout_keep_alive": self.keep_alive_timeout_s,
+            "h11_max_incomplete_event_size": self.max_header_bytes,
+        }
+
+
+def edge_protocol(limits: EdgeLimits) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with ``limits``' head cap and request deadline, for
+    ``uvicorn.run(app, http=edge_protocol(limits), ...)`` (needs httptools)."""
+    from inlinelm.api.edge_httptools import EdgeHttpToolsProtocol
+
+    edge_limits = limits
+
+    class LimitedProtocol(EdgeHttpToolsProtocol):
+        limits = edge_limits
+
+    return LimitedProtocol
+
+
+def server_config(
+    app: ASGIApp,
+    *,
+    host: str,
+    port: int,
+    limits: EdgeLimits,
+    log_level: str = "info",
+    lifespan: str = "on",
+) -> uvicorn.Config:
+    """uvicorn's config as ``inlinelm serve`` runs it: uvloop and httptools
+    (:func:`~inlinelm.api.app.uvicorn_options`), the limits uvicorn enforces itself, and no
+    WebSocket support (the API has no WebSocket endpoint)."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan=lifespan,  # type: ignore[arg-type]  # a Literal in uvicorn; checked there
+        ws="none",
+        **uvicorn_options(),
+        **limits.uvicorn_options(),
+    )
+
+
+class EdgeServer(uvicorn.Server):
+    """uvicorn's server as ``inlinelm serve`` runs it: the engine starts before any socket
+    is bound, and every connection is served by :func:`edge_protocol` (with httptools).
+
+    A start that fails with an ``InlineLMError`` (a model that does not load, an option
+    the machine cannot honour) ends the run before the app's lifespan and before any
+    socket is bound; the error is :attr:`startup_error`, for the caller to report in one
+    line (uvicorn would log the lifespan's traceback). An interrupt while the model loads
+    ends the run once it has loaded, without serving.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, limits: EdgeLimits) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.limits = limits
+        self.startup_error: InlineLMError | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Start the engine, then uvicorn's start-up (lifespan, sockets) on the edge protocol."""
+        try:
+            await self.engine.start()
+        except InlineLMError as error:
+            self.startup_error = error
+            self.should_exit = True
+            return
+        if self.should_exit:  # NOTE: interrupted while the model loaded
+            return
+        self._use_edge_protocol()
+        await super().startup(sockets)
+
+    def _use_edge_protocol(self) -> None:
+        # NOTE: uvicorn's config names the parser ("httptools"); the edge goes on the
+        # protocol it loaded, so what is configured stays what uvicorn documents.
+        if self.config.http == "httptools":
+            self.config.http_protocol_class = edge_protocol(self.limits)
+        else:
+            logger.warning(
+                "HTTP parser %r: no deadline for a request to arrive (it needs httptools)",
+                self.config.http,
+            )

@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from inlinelm.cli import API_KEY_ENV, ENGINE_HELP, api_key, build_parser, engine_config, main
+from inlinelm.api.edge import EdgeLimits
+from inlinelm.cli import (
+    API_KEY_ENV,
+    ENGINE_HELP,
+    api_key,
+    build_parser,
+    edge_limits,
+    engine_config,
+    main,
+)
 from inlinelm.config import EngineConfig
 
 
@@ -30,6 +41,12 @@ def test_every_engine_option_is_a_documented_flag() -> None:
         "--sse-ping-s",
         "--max-fanout",
         "--api-key",
+        "--allowed-hosts",
+        "--max-header-bytes",
+        "--request-timeout-s",
+        "--keep-alive-timeout-s",
+        "--max-connections",
+        "--ray-dashboard",
     ):
         assert flag in text
 
@@ -64,11 +81,57 @@ def test_the_api_key_comes_from_the_flag_else_the_environment() -> None:
     def key(argv: list[str], environ: dict[str, str]) -> str | None:
         return api_key(build_parser().parse_args(["serve", *argv]), environ)
 
-    assert key([], {}) is None and key([], {API_KEY_ENV: ""}) is None
+    assert key([], {}) is None
     assert key([], {API_KEY_ENV: "from-env"}) == "from-env"
     assert key(["--api-key", "from-flag"], {API_KEY_ENV: "from-env"}) == "from-flag"
     args = build_parser().parse_args(["serve", "--max-fanout", "32"])
     assert args.max_fanout == 32
+
+
+def test_the_edge_flags_build_the_limits_with_sane_defaults() -> None:
+    assert edge_limits(build_parser().parse_args(["serve"])) == EdgeLimits()
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--max-header-bytes",
+            "2048",
+            "--request-timeout-s",
+            "2.5",
+            "--keep-alive-timeout-s",
+            "1",
+            "--max-connections",
+            "0",
+            "--allowed-hosts",
+            "my.app, *.example.com",
+        ]
+    )
+    assert edge_limits(args) == EdgeLimits(2048, 2.5, 1.0, None)  # 0: no bound
+    assert args.allowed_hosts == ["my.app", "*.example.com"]
+    assert build_parser().parse_args(["serve"]).allowed_hosts is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        (["--api-key", ""], {}, "--api-key is empty"),
+        (["--api-key", " "], {API_KEY_ENV: "fine"}, "--api-key is empty"),
+        ([], {API_KEY_ENV: ""}, f"${API_KEY_ENV} is empty"),
+        ([], {API_KEY_ENV: "key\n"}, "starts or ends with whitespace"),
+    ],
+)
+def test_an_empty_api_key_is_one_line_and_a_failure_never_no_key(
+    argv: list[str],
+    environ: dict[str, str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--runner", "echo", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("inlinelm serve: error: ") and message in err
 
 
 @pytest.mark.parametrize(
@@ -108,6 +171,9 @@ def test_unknown_and_abbreviated_flags_get_the_serve_usage(
         (["serve", "--replicas", "2"], "--replicas and --routing need --ray"),
         (["serve", "--routing", "serve"], "--replicas and --routing need --ray"),
         (["serve", "--ray", "--replicas", "0"], "--replicas must be at least 1"),
+        (["serve", "--ray-dashboard"], "--ray-dashboard needs --ray"),
+        (["serve", "--runner", "echo", "--request-timeout-s", "0"], "request_timeout_s must be"),
+        (["serve", "--runner", "echo", "--max-header-bytes", "10"], "max_header_bytes must be"),
     ],
 )
 def test_a_model_or_option_that_cannot_work_is_one_line_and_a_failure(
@@ -150,6 +216,33 @@ def test_python_m_inlinelm_serve_streams_a_chat_and_logs_each_request() -> None:
     (log,) = [line for line in stderr.splitlines() if "request chatcmpl-" in line]
     assert "prompt_tokens=" in log and "output_tokens=5" in log and "ttft=" in log and "e2e=" in log
     assert "finish=length" in log
+
+
+def test_the_server_logs_whether_a_key_is_set_and_never_the_key() -> None:
+    command, port = serve_command("--log-level", "info")
+    environ = {**os.environ, API_KEY_ENV: "sk-secret-value"}
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=environ)
+    try:
+        _wait_until_serving(f"http://127.0.0.1:{port}", process)  # /health needs no key
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    assert f"API key: set (from ${API_KEY_ENV})" in stderr
+    assert "sk-secret-value" not in stderr
+
+
+def test_a_model_that_fails_to_load_at_start_is_one_line_and_a_failure(tmp_path: Path) -> None:
+    model = tmp_path / "broken.gguf"
+    model.write_bytes(b"GGUF" + bytes(range(256)) * 16)  # the magic, then garbage
+    command, _ = serve_command("--model", str(model))
+    command[command.index("echo")] = "model"  # NOTE: the real runner, so the model loads
+    environ = {**os.environ, "INLINELM_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(command, capture_output=True, text=True, env=environ, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [errors[0]] and errors[0].startswith("inlinelm serve: error: ")
+    assert "broken.gguf" in errors[0] and "Traceback" not in done.stderr
+    assert done.stderr.endswith(errors[0] + "\n")  # nothing after it: no lifespan report
 
 
 def _wait_until_serving(url: str, process: subprocess.Popen[str], timeout: float = 60) -> None:

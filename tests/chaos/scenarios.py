@@ -61,6 +61,7 @@ KINDS = {
     "duplicate_id": 6,
     "reuse_after_abort": 6,
     "hostile": 6,
+    "long_stop": 4,
 }
 PYTHON_ONLY = {"duplicate_id", "reuse_after_abort"}
 
@@ -90,6 +91,11 @@ HOSTILE: dict[str, Callable[[int], StructuredOutput]] = {
 }
 NUM_HOSTILE_VARIANTS = 2
 MID_REQUEST = "a grammar that fails after its first token"
+
+
+# Stop strings at the engine's caps (EngineConfig.max_stop_strings, max_stop_string_chars):
+# fifteen of 1,024 characters that never occur, plus one word of the prompt.
+LONG_STOPS = [chr(0x3A9 + i) * 1023 + "x" for i in range(15)]
 
 
 def http_fields(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -217,6 +223,8 @@ class Mix:
             return prompt, rng.randint(0, 3)
         if kind == "bad":
             return prompt, rng.choice(sorted(BAD_REQUESTS))
+        if kind == "long_stop":
+            return prompt, max_tokens, rng.choice(words[1:])
         if kind == "hostile":
             return prompt, rng.choice(sorted(HOSTILE)), rng.randrange(NUM_HOSTILE_VARIANTS)
         if kind == "reuse_after_abort":
@@ -384,7 +392,7 @@ class Mix:
         ok = reading.status == 400 and isinstance(reading.body, dict) and "error" in reading.body
         self.problems.check(ok, f"{label}: {case} got HTTP {reading.status} (want 400)")
 
-    # -- hostile constraints -------------------------------------------------------------------
+    # -- hostile constraints and stop strings at the caps ---------------------------------------
 
     async def _hostile_py(self, label: str, prompt: str, case: str, variant: int) -> None:
         spec = HOSTILE[case](variant)
@@ -415,6 +423,17 @@ class Mix:
         )
         ok = reading.status == 400 and param == "structured"
         self.problems.check(ok, f"{label}: {case}: HTTP {reading.status} {reading.body} (want 400)")
+
+    async def _long_stop_py(self, label: str, prompt: str, max_tokens: int, stop: str) -> None:
+        stream = self.engine.stream(prompt, max_tokens=max_tokens, stop=[*LONG_STOPS, stop])
+        reading = await read_py(stream)
+        expected = self._expected(prompt, max_tokens, stop)
+        check_texts(self.problems, label, reading.texts, reading.reasons, expected)
+
+    async def _long_stop_http(self, label: str, prompt: str, max_tokens: int, stop: str) -> None:
+        fields = {"prompt": prompt, "max_tokens": max_tokens, "stop": [*LONG_STOPS, stop]}
+        reading = await self._sse(fields)
+        self._check_sse(label, reading, self._expected(prompt, max_tokens, stop))
 
     # -- request ids ---------------------------------------------------------------------------
 

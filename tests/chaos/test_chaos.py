@@ -319,8 +319,9 @@ def test_a_fault_ends_every_stream_with_a_clear_error_and_a_new_engine_serves(
 STALL_S = 1.0
 """The stated bound: no engine step, and no wait of a step's outputs for the event loop,
 may take longer. A step takes milliseconds here (the echo runner); the attacks below took
-the process down (grammars that crashed the compiler) or held one step for 1.5 s (the
-first mask of ((a{100}){100}){100}) on the engine thread."""
+the process down (grammars that crashed the compiler), held one step for 1.5 s (the first
+mask of ((a{100}){100}){100}) on the engine thread, or held the loop for seconds (a stop
+table of every prefix of sixteen 1,024-character stops)."""
 
 
 def _over(histogram: dict[str, Any], bound: float) -> int:
@@ -345,6 +346,12 @@ async def _hostile_run(rng: random.Random) -> Problems:
                     (t, c, v) for t in ("py", "http") for c in sorted(HOSTILE) for v in range(2)
                 )
             ]
+            attacks += [
+                mix.scenario(
+                    f"#s{i} long_stop/{t}", "long_stop", t, "river stone cloud", 24, "cloud"
+                )
+                for i, t in enumerate(["py", "http"] * 4)
+            ]
             await asyncio.gather(*attacks)
             for reader in readers:
                 reading = await asyncio.wait_for(reader, SCENARIO_S)
@@ -362,8 +369,9 @@ async def _hostile_run(rng: random.Random) -> Problems:
 
 def test_hostile_constraints_are_refused_and_never_stall_the_engine_or_the_loop() -> None:
     """Every hostile constraint of the chaos mix, in both transports and uncached variants,
-    while twelve long streams run: each is refused (or fails alone), the streams finish,
-    nothing leaks, and no step or loop wait passes STALL_S."""
+    and requests with stop strings at the caps, while twelve long streams run: each is
+    refused (or fails alone, or stops exactly), the streams finish, nothing leaks, and no
+    step or loop wait passes STALL_S."""
     seed = chaos_seed()
     with seeded(seed) as rng:
         problems = run(_hostile_run(rng), timeout=120.0)

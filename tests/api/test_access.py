@@ -3,6 +3,7 @@ bodies, and what a dead engine tells clients."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -183,6 +184,16 @@ def test_without_a_key_loopback_hosts_are_served_with_any_port(base_url: str, ho
 )
 def test_names_that_only_look_local_are_refused(base_url: str, host: str) -> None:
     check_error(httpx.get(f"{base_url}/v1/models", headers={"Host": host}), 403)
+
+
+def test_a_request_without_a_host_header_is_not_a_browsers_and_is_served(base_url: str) -> None:
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.0\r\n\r\n")  # HTTP/1.0: no Host needed
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
 
 
 def test_with_a_key_any_host_is_served(keyed: ServerThread) -> None:

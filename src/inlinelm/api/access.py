@@ -8,7 +8,8 @@ name a loopback host (``localhost``, ``127.0.0.1``, ``[::1]``, any port) or one 
 ``allowed_hosts``; any other is a 403 (``host_not_allowed``), before any other work. With
 a key, the page cannot get past the key, so any host is served unless ``allowed_hosts``
 is given: then it holds, key or not. ``"*"`` in ``allowed_hosts`` serves every host (for
-an app whose own middleware checks hosts); ``"*.example.com"`` serves its subdomains.
+an app whose own middleware checks hosts); ``"*.example.com"`` serves its subdomains. A
+request with no ``Host`` at all (HTTP/1.0, an in-process call) is not a browser's and passes.
 
 **Key**: with an API key, every endpoint but ``/health`` wants ``Authorization: Bearer
 <key>`` (what OpenAI clients send); a missing or wrong key is a 401 with
@@ -117,9 +118,13 @@ class HostCheck:
         return name in self.names or (bool(name) and name.endswith(self.suffixes))
 
     def check(self, request: Request) -> None:
-        """A 403 unless the request's ``Host`` is served here."""
-        host = request.headers.get("host", "")
-        if self.allows(host):
+        """A 403 unless the request's ``Host`` is served here.
+
+        A request without a ``Host`` header passes: a browser always sends one (DNS
+        rebinding needs it to name the page's site), an in-process call may not.
+        """
+        host = request.headers.get("host")
+        if host is None or self.allows(host):
             return
         shown = host if len(host) <= 100 else host[:100] + "…"
         raise APIError(

@@ -82,7 +82,8 @@ elif app is not None:
     from starlette.testclient import TestClient
 
     prefixes = [""] + [route.path for route in app.routes if isinstance(route, Mount)]
-    with TestClient(app) as client:
+    # NOTE: a keyless router serves loopback Host names only (DNS rebinding)
+    with TestClient(app, base_url="http://127.0.0.1") as client:
         prefix = next(p for p in prefixes if client.get(p + "/v1/models").status_code == 200)
         body = {"model": "default", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
         reply = client.post(prefix + "/v1/chat/completions", json=body)

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from inlinelm import cli
 from inlinelm.api.edge import EdgeLimits
 from inlinelm.cli import (
     API_KEY_ENV,
@@ -129,9 +130,14 @@ def test_an_empty_api_key_is_one_line_and_a_failure_never_no_key(
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cli, "serve", _must_not_serve)
     assert main(["serve", "--runner", "echo", *argv]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("inlinelm serve: error: ") and message in err
+
+
+def _must_not_serve(args: object) -> int:
+    raise AssertionError("the server started")
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,9 @@ def create_app(
     httptools module:app`` (uvicorn's ``auto`` picks both when installed), or
     ``hypercorn --worker-class uvloop module:app`` (hypercorn parses HTTP with h11). Mounted
     in an app that already runs, the engine uses the running loop, asyncio's or uvloop's.
+    The limits ``inlinelm serve`` holds clients to (a capped request head, a deadline for
+    a request to arrive, idle and connection bounds) are :mod:`inlinelm.api.edge`'s: pass
+    ``http=edge_protocol(limits), **limits.uvicorn_options()`` to uvicorn for the same.
     """
     engine = engine_or_config if isinstance(engine_or_config, Engine) else Engine(engine_or_config)
 

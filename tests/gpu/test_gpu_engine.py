@@ -227,7 +227,7 @@ def test_256_sse_streams_through_the_router_on_cuda(smollm2_dir: Path) -> None:
         async with serving_engine(smollm2_dir) as eng:
             transport = httpx.ASGITransport(app=openai_router(eng, model_name="default"))
             async with httpx.AsyncClient(
-                transport=transport, base_url="http://gpu", timeout=120
+                transport=transport, base_url="http://localhost", timeout=120
             ) as client:
                 results = await asyncio.gather(*(one(client, i) for i in range(256)))
             for chunks, reason, done in results:

@@ -256,7 +256,7 @@ def _wait_until_serving(url: str, process: subprocess.Popen[str], timeout: float
     while time.monotonic() < deadline:
         assert process.poll() is None, "the server exited"
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return
         except httpx.TransportError:
             time.sleep(0.05)

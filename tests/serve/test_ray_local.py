@@ -23,12 +23,12 @@ import pytest
 
 from inlinelm.errors import ConfigError
 from inlinelm.serve.ray import check_loopback_ray, local_ray_options
+from tests.serve.cli_process import WAIT_S, descendants, stop
 from tests.serve.ray_import import RAY_MARKS, ray
 from tests.test_cli import _wait_until_serving, serve_command
 
 pytestmark = [*RAY_MARKS, pytest.mark.timeout(600)]
 
-WAIT_S = 120.0
 SERVE_GRPC = "/ray.serve.ASGIService/HandleRequest"
 
 
@@ -45,13 +45,8 @@ def test_inlinelm_serve_ray_listens_on_loopback_only_and_sigterm_leaves_no_ray_p
             sockets = listening([psutil.Process(process.pid), *started])
             exposed = [(name, ip, port) for name, ip, port in sockets if not is_loopback(ip)]
             refused = {port: refuses_without_token(port) for _, _, port in exposed}
-            started |= descendants(process.pid)  # NOTE: workers Ray started meanwhile
         finally:
-            process.send_signal(signal.SIGTERM)
-            returncode = process.wait(timeout=WAIT_S)
-            _, alive = psutil.wait_procs(started, timeout=WAIT_S)
-            for leftover in alive:
-                leftover.kill()  # NOTE: leave nothing behind for the next test, even failing
+            returncode, alive = stop(process, signal.SIGTERM, started)
     names = {name for name, _, _ in sockets}
     assert {"gcs_server", "raylet"} <= names, sockets  # Ray's own servers were seen
     serve_grpc = [s for s in exposed if s[0].startswith("ray::ServeReplica")]
@@ -63,10 +58,6 @@ def test_inlinelm_serve_ray_listens_on_loopback_only_and_sigterm_leaves_no_ray_p
     assert returncode == 0, log_text[-3000:]
     assert [p.pid for p in alive] == [], "Ray processes outlived inlinelm serve"
     assert "SIGTERM received" not in log_text
-
-
-def descendants(pid: int) -> set[psutil.Process]:
-    return set(psutil.Process(pid).children(recursive=True))
 
 
 def listening(processes: Iterable[psutil.Process]) -> set[tuple[str, str, int]]:

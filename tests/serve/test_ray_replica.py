@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +22,7 @@ from inlinelm.serve.ray import (
     replica_resources,
 )
 from tests.runtime.helpers import echo_engine
+from tests.serve.cli_process import stop
 from tests.serve.ray_import import RAY_MARKS, ray
 from tests.test_cli import _wait_until_serving, serve_command
 
@@ -124,22 +126,30 @@ def test_a_replica_class_of_ones_own_also_takes_http_for_serves_own_routing() ->
     assert hasattr(server, "__serve_build_asgi_app__")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_inlinelm_serve_ray_streams_a_chat_from_two_replicas_and_stops_on_interrupt(
-    tmp_path: Any,
+    tmp_path: Path,
 ) -> None:
     command, port = serve_command("--ray", "--replicas", "2", "--num-threads", "1")
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_until_serving(url, process, timeout=180)
-        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 5}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
-            lines = [line for line in response.iter_lines() if line]
-            replica = response.headers["x-inlinelm-replica"]
-        assert lines[-1] == "data: [DONE]" and len(lines) >= 3
-        assert replica
-    finally:
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 0, stderr[-3000:]
+    with (tmp_path / "serve.log").open("w") as log:
+        process = subprocess.Popen(command, stderr=log, stdout=log, text=True, cwd=tmp_path)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_until_serving(url, process, timeout=180)
+            body = {
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+                "max_tokens": 5,
+            }
+            with httpx.stream(
+                "POST", f"{url}/v1/chat/completions", json=body, timeout=60
+            ) as response:
+                lines = [line for line in response.iter_lines() if line]
+                replica = response.headers["x-inlinelm-replica"]
+        finally:
+            returncode, alive = stop(process, signal.SIGINT, set())
+    log_text = (tmp_path / "serve.log").read_text()
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+    assert replica
+    assert returncode == 0, log_text[-3000:]
+    assert alive == [], "Ray processes outlived inlinelm serve"

@@ -177,3 +177,17 @@ def test_graph_replay_equals_eager_at_every_size_on_cuda(
     )
     assert got == want
     assert {size for _, size in sizes} == set(capture_sizes(MAX_NUM_SEQS))
+
+
+def test_the_static_step_runs_outside_inference_mode(tiny_model_dir: Path) -> None:
+    """The capture's warm-up on the engine thread: no parameter records autograd history,
+    so the in-place KV-cache write into a view of the cache is allowed (it raised)."""
+    runner = _runner(tiny_model_dir, static=True)
+    graphs = runner.graphs
+    assert graphs is not None
+    assert not any(p.requires_grad for p in runner.model.parameters())
+    assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()
+    graphs._load_padding(4)
+    logits = graphs._forward(4)
+    assert logits.shape == (4, runner.model_config.vocab_size) and not logits.requires_grad
+    runner.close()

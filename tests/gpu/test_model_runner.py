@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from inlinelm.config import EngineConfig
 from inlinelm.gpu.model_runner import ModelRunner
@@ -143,3 +144,38 @@ def test_many_decodes_of_different_lengths_equal_transformers(
     got = run_to_completion(runner, Scheduler(config, 512, 2), requests)
     ref = load_reference(tiny_model_dir)
     assert [got[f"m{i}"] for i in range(19)] == [reference_greedy(ref, ids, 8) for ids in prompts]
+
+
+def test_a_bare_cuda_device_gets_the_current_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    from inlinelm.gpu.model_runner import runner_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert runner_device("cuda") == torch.device("cuda", 3)
+    assert runner_device("cuda:1") == torch.device("cuda", 1)
+    assert runner_device("cpu") == torch.device("cpu")
+
+
+def test_start_on_thread_sets_an_indexed_device_in_inference_mode(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``torch.cuda.set_device`` takes only a device with an index (its own check, faked
+    here without CUDA); the graphs are built in inference mode."""
+    from torch._utils import _get_device_index
+
+    from inlinelm.gpu.model_runner import runner_device
+
+    runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=8), tiny_model_dir)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    runner.device = runner_device("cuda")
+    current: list[int] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: current.append(_get_device_index(d, optional=False))
+    )
+    modes: list[bool] = []
+    monkeypatch.setattr(
+        runner, "_ensure_graphs", lambda: modes.append(torch.is_inference_mode_enabled())
+    )
+    runner.start_on_thread()
+    assert current == [0] and modes == [True]
+    runner.device = torch.device("cpu")
+    runner.close()

@@ -267,8 +267,13 @@ class DecodeGraphs:
 
     # -- capture ---------------------------------------------------------------------
 
+    @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, into one pool (CUDA, on the engine thread)."""
+        """Capture every size, largest first, into one pool (CUDA, on the engine thread).
+
+        In inference mode whoever calls it: the warm-up and the captured step write the KV
+        cache in place, which autograd refuses on a view of it.
+        """
         self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch stub
         for size in reversed(self.sizes):
@@ -331,6 +336,7 @@ class DecodeGraphs:
         ):
             static[:size].copy_(torch.from_numpy(np.ascontiguousarray(host)), non_blocking=True)
 
+    @torch.inference_mode()
     def _forward(self, size: int) -> torch.Tensor:
         meta = self.attention.metadata(size, self.slot_mapping[:size])
         return self.model(

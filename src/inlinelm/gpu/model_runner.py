@@ -85,7 +85,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, folder: Path) -> None:
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = runner_device(config.device)
         self.dtype = _DTYPES[config.model_dtype]
         self.model_config, self.max_model_len = check_model_fits(config, folder)
         free_at_start = free_device_memory(self.device) if self.device.type == "cuda" else None
@@ -238,10 +238,15 @@ class ModelRunner:
         """
         return self.device.type == "cuda"
 
+    @torch.inference_mode()
     def start_on_thread(self) -> None:
         """On CUDA: make the runner's device current on the engine thread and capture the
         decode graphs there (capture and replay belong to one thread), before the first
-        request, so none of them waits for it (see ``Runner.start_on_thread``)."""
+        request, so none of them waits for it (see ``Runner.start_on_thread``).
+
+        Runs in inference mode, as every step does: the capture's warm-up writes the KV
+        cache in place, which autograd would refuse on a view of it.
+        """
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._ensure_graphs()
@@ -533,6 +538,15 @@ def _close_part(part: object) -> None:
     close = getattr(part, "close", None)
     if callable(close):
         close()
+
+
+def runner_device(name: str) -> torch.device:
+    """The runner's device from the config's name, a CUDA device always with its index:
+    ``torch.cuda.set_device`` refuses a bare ``cuda``, which means the current device."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _num_cores() -> int:

@@ -70,6 +70,9 @@ def load_model(
     if onednn_packing_available(device, dtype):
         _pack_for_onednn(model)
     logger.info("loaded %s weights in %.2f s", folder.name, time.perf_counter() - start)
+    # NOTE: inference only: no parameter asks autograd to record (a graph capture outside
+    # inference mode would otherwise trip over the in-place KV-cache writes).
+    model.requires_grad_(False)
     return model.eval()
 
 

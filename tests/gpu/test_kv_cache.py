@@ -1,8 +1,10 @@
-"""KV-cache sizing: the GPU budget arithmetic on plain numbers, and the spec it feeds."""
+"""KV-cache sizing: the GPU budget arithmetic on plain numbers, and the spec it feeds; the
+K/V write into the cache."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,9 +14,11 @@ from inlinelm.errors import ConfigError
 from inlinelm.gpu.kv_cache import (
     DEFAULT_KV_CACHE_BYTES_CAP,
     GpuMemoryUse,
+    adjacent_pair,
     bytes_per_block,
     gpu_kv_cache_bytes,
     kv_cache_spec,
+    write_kv,
 )
 from inlinelm.gpu.model_config import ModelConfig
 
@@ -79,3 +83,45 @@ def test_cpu_default_holds_every_sequence_at_full_length_up_to_a_cap(tiny_model_
     assert small.num_blocks == 4 * 10
     huge = kv_cache_spec(EngineConfig(max_num_seqs=10**6), cfg, 2048, torch.float32)
     assert huge.num_blocks == DEFAULT_KV_CACHE_BYTES_CAP // per_block
+
+
+def _count_index_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    original = torch.Tensor.index_copy_
+
+    def counting(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor) -> Any:
+        calls.append(dim)
+        return original(self, dim, index, source)
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", counting)
+    return calls
+
+
+def test_k_and_v_of_one_fused_projection_are_written_in_one_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The FlashInfer layout: q, k, v head slices of one QKV row, RoPE applied in place."""
+    heads, kv_heads, dim, tokens = 4, 2, 8, 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    qk, v = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+    k = qk.view(tokens, heads + kv_heads, dim)[:, heads:]
+    v = v.reshape(tokens, kv_heads, dim)
+    slots = torch.tensor([9, 2, 0, 14, 5])
+    want = torch.zeros(2, 16, kv_heads, dim)
+    want[0, slots], want[1, slots] = k, v
+    calls = _count_index_copies(monkeypatch)
+    got = torch.zeros(2, 16, kv_heads, dim)
+    write_kv(got, k, v, slots)
+    assert calls == [1] and torch.equal(got, want)
+
+
+def test_separate_k_and_v_are_written_in_two_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch reference path (RoPE returns a new k): exactly the two plain copies."""
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    slots = torch.tensor([1, 7, 4])
+    calls = _count_index_copies(monkeypatch)
+    got = torch.zeros(2, 8, 2, 8)
+    write_kv(got, k, v, slots)
+    assert calls == [0, 0]
+    assert torch.equal(got[0, slots], k) and torch.equal(got[1, slots], v)
+    assert adjacent_pair(k, v[:, :1]) is None and adjacent_pair(v, k) is None

@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inlinelm.gpu.attention import TorchAttention
+from inlinelm.gpu.kv_cache import write_kv
 from inlinelm.gpu.page_table import (
     build_page_table,
     pack_page_table,
     paged_kv_view,
     step_page_table,
-    write_kv,
 )
 from inlinelm.gpu.page_table_attention import PageTableAttention
 from tests.gpu.paged_steps import Shape, make_step, run_backend

@@ -15,6 +15,8 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from inlinelm.gpu.kv_cache import write_kv
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -179,8 +181,7 @@ class TorchAttention:
         """See :class:`AttentionBackend`."""
         plan = meta.plan
         assert isinstance(plan, _Plan)
-        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
-        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
         blocks = kv_cache.view(2, -1, plan.block_size, self.num_kv_heads, self.head_dim)
         if plan.whole:  # a decode-only step (the common case): no gather of q, no scatter
             return self._attend_decode(q, blocks, plan.decode[0])

@@ -139,6 +139,39 @@ def allocate_kv_cache(
     return list(cache.unbind(0))
 
 
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write this step's ``k``/``v`` [T, KVH, D] into ``kv_cache`` [2, slots, KVH, D].
+
+    One ``index_copy_`` along the slot dimension when ``v`` lies right after ``k`` in one
+    buffer (the fused QKV projection's, when RoPE ran in place); two otherwise.
+    """
+    pair = adjacent_pair(k, v)
+    if pair is not None:
+        kv_cache.index_copy_(1, slot_mapping, pair)
+        return
+    kv_cache[0].index_copy_(0, slot_mapping, k)
+    kv_cache[1].index_copy_(0, slot_mapping, v)
+
+
+def adjacent_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """``k`` and ``v`` [T, KVH, D] as one strided [2, T, KVH, D] view, when ``v`` starts
+    where ``k``'s heads end in every row of the same buffer; else None."""
+    if k.shape != v.shape or k.stride() != v.stride() or k.dtype != v.dtype or k.dim() != 3:
+        return None
+    step = k.shape[1] * k.stride(1)
+    if (
+        k.stride(2) != 1
+        or k.stride(1) != k.shape[2]
+        or v.storage_offset() - k.storage_offset() != step
+    ):
+        return None
+    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        return None
+    return k.as_strided((2, *k.shape), (step, *k.stride()))
+
+
 def free_device_memory(device: torch.device) -> int:
     """Free memory on CUDA ``device`` by the driver's count, after pending work (CUDA only)."""
     torch.cuda.synchronize(device)

@@ -125,14 +125,6 @@ def _host(array: IntArray | None, tensor: torch.Tensor) -> IntArray:
     return result
 
 
-def write_kv(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write this step's ``k``/``v`` [T, KVH, D] into ``kv_cache`` [2, slots, KVH, D]."""
-    kv_cache[0].index_copy_(0, slot_mapping, k)
-    kv_cache[1].index_copy_(0, slot_mapping, v)
-
-
 def paged_kv_view(kv_cache: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's cache [2, slots, KVH, D] as FlashInfer's NHD pages: a view, no copy.
 

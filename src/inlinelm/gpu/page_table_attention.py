@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from inlinelm.gpu.attention import AttentionMetadata
-from inlinelm.gpu.page_table import PageTable, paged_kv_view, step_page_table, write_kv
+from inlinelm.gpu.kv_cache import write_kv
+from inlinelm.gpu.page_table import PageTable, paged_kv_view, step_page_table
 
 
 class PageTableAttention:

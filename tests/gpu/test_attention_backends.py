@@ -7,12 +7,13 @@ import sys
 import types
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from inlinelm.errors import ConfigError
 from inlinelm.gpu import attention_backends
-from inlinelm.gpu.attention import TorchAttention
+from inlinelm.gpu.attention import AttentionMetadata, TorchAttention
 from inlinelm.gpu.attention_backends import make_attention_backend, select_attention_backend
 from inlinelm.gpu.page_table import PageTable, PageTableArrays
 from inlinelm.gpu.page_table_attention import PageTableAttention, paged_attention
@@ -139,7 +140,10 @@ class _FakeWrapper:
         self.plans += 1
 
     def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> Any:
-        assert self.table is not None and q.is_contiguous()
+        # NOTE: FlashInfer's decode kernel takes q's row and head strides (only the last
+        # dimension must be dense); prefill is given a dense q.
+        assert self.table is not None and q.stride(-1) == 1
+        assert isinstance(self, _FakeDecode) or q.is_contiguous()
         k_pages, v_pages = paged_kv_cache
         assert k_pages.shape[1:] == (self.table.page_size, *self.heads[1:])
         return paged_attention(q, k_pages, v_pages, self.table, self.heads[2] ** -0.5)
@@ -297,3 +301,47 @@ def test_auto_picks_flashinfer_on_cuda_when_installed() -> None:
 
     backend = make_attention_backend("auto", CUDA, 9, 3, 64, torch.bfloat16)
     assert isinstance(backend, FlashInferAttention)
+
+
+class _RecordingWrapper:
+    """Stands in for a FlashInfer wrapper: records the q it is run with."""
+
+    def __init__(self) -> None:
+        self.queries: list[torch.Tensor] = []
+
+    def run(self, q: torch.Tensor, pages: Any) -> torch.Tensor:
+        self.queries.append(q)
+        return torch.zeros_like(q)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_flashinfer_decode_takes_the_strided_q_and_prefill_a_dense_one(decode: bool) -> None:
+    """No copy kernel per layer on decode: the head slice of the fused QK goes as it is."""
+    from inlinelm.gpu.flashinfer_backend import FlashInferAttention, _FlashInferPlan
+    from inlinelm.gpu.page_table import build_page_table
+
+    heads, kv_heads, dim, page = 4, 2, 8, 4
+    lens = np.array([1, 1] if decode else [3, 1], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    table = build_page_table(starts, lens + 2, np.array([[0, 1], [2, 3]]), page, CPU)
+    wrapper = _RecordingWrapper()
+    backend = FlashInferAttention.__new__(FlashInferAttention)
+    tokens = int(lens.sum())
+    qk = torch.randn(tokens, heads + kv_heads, dim)
+    q, k = qk[:, :heads], qk[:, heads:]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(tokens),
+        query_start_loc=torch.from_numpy(starts),
+        seq_lens=torch.from_numpy(lens + 2),
+        block_tables=torch.zeros(2, 1, dtype=torch.int64),
+        max_query_len=int(lens.max()),
+        max_seq_len=int(lens.max()) + 2,
+        plan=_FlashInferPlan(table, wrapper),
+    )
+    backend.forward(q, k, torch.randn_like(k), torch.zeros(2, 4 * page, kv_heads, dim), meta)
+    (got,) = wrapper.queries
+    assert torch.equal(got, q)
+    if decode:
+        assert got is q and not q.is_contiguous()
+    else:
+        assert got.is_contiguous()

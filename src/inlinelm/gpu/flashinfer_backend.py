@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from inlinelm.gpu.attention import AttentionMetadata
-from inlinelm.gpu.page_table import PageTable, paged_kv_view, step_page_table, write_kv
+from inlinelm.gpu.kv_cache import write_kv
+from inlinelm.gpu.page_table import PageTable, paged_kv_view, step_page_table
 
 WORKSPACE_BYTES = 128 * 1024**2
 """Float workspace shared by both wrappers (FlashInfer's recommended size, split-KV partials)."""
@@ -134,6 +135,9 @@ class FlashInferAttention:
         assert isinstance(plan, _FlashInferPlan)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         pages = paged_kv_view(kv_cache, plan.table.page_size)
-        # q is a head slice of the fused QK tensor; the kernels want it dense.
-        out: torch.Tensor = plan.wrapper.run(q.contiguous(), pages)
+        # NOTE: q is a head slice of the fused QK tensor. The decode kernels take its row
+        # and head strides (only the last dimension must be dense); prefill gets it dense.
+        if not plan.table.is_decode:
+            q = q.contiguous()
+        out: torch.Tensor = plan.wrapper.run(q, pages)
         return out

@@ -191,3 +191,71 @@ def test_the_static_step_runs_outside_inference_mode(tiny_model_dir: Path) -> No
     logits = graphs._forward(4)
     assert logits.shape == (4, runner.model_config.vocab_size) and not logits.requires_grad
     runner.close()
+
+
+def test_every_size_writes_its_logits_into_one_shared_buffer(
+    tiny_model_dir: Path, tokenizer: Any
+) -> None:
+    """One static [max size, V] output for all graphs, not one per size."""
+    runner = _runner(tiny_model_dir, static=True)
+    graphs = runner.graphs
+    assert graphs is not None
+    assert graphs.logits.shape == (MAX_NUM_SEQS, runner.model_config.vocab_size)
+    outputs: list[torch.Tensor] = []
+    run = graphs.run
+
+    def recording(inputs: StepInputs, fill: Any) -> torch.Tensor:
+        outputs.append(run(inputs, fill))
+        return outputs[-1]
+
+    graphs.run = recording  # type: ignore[method-assign]
+    scheduler = Scheduler(runner.config, 96, 2)
+    for count in (1, 3, 12):
+        run_to_completion(
+            runner,
+            scheduler,
+            _random_requests(tokenizer, random.Random(count), count, f"s{count}-"),
+        )
+    storage = graphs.logits.untyped_storage().data_ptr()
+    assert {len(o) for o in outputs} >= {1, 3, 12}
+    assert all(o.untyped_storage().data_ptr() == storage for o in outputs)
+    runner.close()
+
+
+def test_the_capture_seam_captures_every_size_largest_first(tiny_model_dir: Path) -> None:
+    runner = _runner(tiny_model_dir, static=False)
+    runner.build_graphs(capture=False)
+    graphs = runner.graphs
+    assert graphs is not None
+    order: list[int] = []
+
+    class Recording:
+        def capture(self, step: Any) -> Any:
+            order.append(step.args[0])  # a partial of the static step over its size
+            step()
+            return step
+
+        def finish(self) -> None:
+            order.append(0)
+
+    graphs.capture(Recording())
+    assert order == [*sorted(graphs.sizes, reverse=True), 0]
+    runner.close()
+
+
+def test_one_capture_stream_per_device_for_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuBLAS keeps a workspace per (handle, stream): a stream per engine would leak one."""
+    from inlinelm.gpu import cuda_graphs
+
+    made: list[torch.device] = []
+
+    def stream(device: torch.device) -> object:
+        made.append(device)
+        return object()
+
+    monkeypatch.setattr(cuda_graphs, "_CAPTURE_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    first = cuda_graphs.capture_stream(torch.device("cuda", 0))
+    assert cuda_graphs.capture_stream(torch.device("cuda", 0)) is first
+    assert cuda_graphs.capture_stream(torch.device("cuda", 1)) is not first
+    assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]

@@ -9,7 +9,12 @@
   pool never hands out (the cache holds one block more than the pool).
 - :meth:`DecodeGraphs.can_replay` holds every eager fallback; :meth:`DecodeGraphs.close`
   releases the graphs.
+- Every graph writes its logits into one static ``[max size, V]`` buffer, so the pool
+  holds one size's logits, not one per size.
 - Sampling stays outside the graph (per-request generators, logprobs, penalties).
+- The CUDA calls of a capture sit behind :class:`GraphCapture`: :class:`CudaGraphCapture`
+  on a device, :class:`EagerCapture` on a CPU, where a "replay" runs the step again, so
+  everything else here runs in the CPU tests.
 
 Attention inside a graph reads only static buffers. :class:`FlashInferGraphAttention` uses
 FlashInfer's CUDA-graph decode wrappers (one per size over shared indptr / indices /
@@ -22,6 +27,7 @@ so the padding and buffer plumbing are tested without a GPU.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -46,6 +52,78 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     sizes.update(range(8, max_batch_size + 1, 8))
     sizes.add(max_batch_size)
     return sorted(sizes)
+
+
+Replay = Callable[[], None]
+"""Runs a captured step again over the static buffers' current contents."""
+
+
+class GraphCapture(Protocol):
+    """Turns a step over static buffers into a :data:`Replay` (the device-only seam)."""
+
+    def capture(self, step: Callable[[], None]) -> Replay:
+        """Warm ``step`` up and capture it; the result replays it."""
+        ...
+
+    def finish(self) -> None:
+        """After the last capture: wait for the device."""
+        ...
+
+
+class EagerCapture:
+    """:class:`GraphCapture` without CUDA: a replay runs the step eagerly (the CPU path)."""
+
+    def capture(self, step: Callable[[], None]) -> Replay:
+        """See :class:`GraphCapture`."""
+        return step
+
+    def finish(self) -> None:
+        """See :class:`GraphCapture`."""
+
+
+class CudaGraphCapture:
+    """CUDA graphs: warm-up and capture on the device's capture stream, one shared pool."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = capture_stream(device)
+
+    def capture(self, step: Callable[[], None]) -> Replay:
+        """See :class:`GraphCapture`."""
+        stream = self.stream
+        # 1) warm up on the capture stream: lazy inits must not land in the graph
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        # 2) capture; thread_local: another thread's CUDA call cannot invalidate it
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(
+            graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"
+        ):
+            step()
+        return graph.replay
+
+    def finish(self) -> None:
+        """See :class:`GraphCapture`."""
+        torch.cuda.synchronize(self.device)
+
+
+_CAPTURE_STREAMS: dict[torch.device, Any] = {}
+"""NOTE: process-wide on purpose. cuBLAS keeps one workspace per (handle, stream) until the
+process ends (32 MiB and more on sm_90); a new capture stream per engine would leave one
+behind every time an engine closes."""
+
+
+def capture_stream(device: torch.device) -> Any:
+    """The one capture stream of CUDA ``device``, made on first use."""
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch stub
+        _CAPTURE_STREAMS[device] = stream
+    return stream
 
 
 class GraphAttention(Protocol):
@@ -228,6 +306,7 @@ class DecodeGraphs:
         *,
         scratch_block: int,
         block_size: int,
+        vocab_size: int,
         device: torch.device,
     ) -> None:
         self.model = model
@@ -245,9 +324,9 @@ class DecodeGraphs:
             (max_bs,), scratch_block * block_size, dtype=torch.int64, device=device
         )
         self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._pool: Any = None
+        # NOTE: every size's graph copies its logits here: one output for all of them.
+        self.logits = torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=device)
+        self._graphs: dict[int, Replay] = {}
         self._closed = False
 
     # -- the predicate ---------------------------------------------------------------
@@ -268,30 +347,16 @@ class DecodeGraphs:
     # -- capture ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size, largest first, into one pool (CUDA, on the engine thread).
+    def capture(self, capturer: GraphCapture) -> None:
+        """Capture every size, largest first (into one pool, on CUDA, on the engine thread).
 
         In inference mode whoever calls it: the warm-up and the captured step write the KV
         cache in place, which autograd refuses on a view of it.
         """
-        self._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch stub
         for size in reversed(self.sizes):
             self._load_padding(size)
-            # 1) warm up on the capture stream: lazy inits must not land in the graph
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(size)
-            torch.cuda.current_stream().wait_stream(stream)
-            # 2) capture; thread_local: another thread's CUDA call cannot invalidate it
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(
-                graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"
-            ):
-                self._outputs[size] = self._forward(size)
-            self._graphs[size] = graph
-        torch.cuda.synchronize(self.device)
+            self._graphs[size] = capturer.capture(functools.partial(self._step, size))
+        capturer.finish()
 
     def _load_padding(self, size: int) -> None:
         """Every row a padding row: one key on the scratch block."""
@@ -304,8 +369,8 @@ class DecodeGraphs:
     def run(self, inputs: StepInputs, fill_pending: FillPending) -> torch.Tensor:
         """Run a step :meth:`can_replay` accepted; return logits ``[rows, V]`` of every row.
 
-        The returned tensor is a static output: read it before the next :meth:`run`
-        (sampling, enqueued on the same stream, does).
+        The returned tensor is a view of the static :attr:`logits`: read it before the next
+        :meth:`run` (sampling, enqueued on the same stream, does).
         """
         n = len(inputs.seq_lens)
         size = self.padded_size(n)
@@ -322,11 +387,8 @@ class DecodeGraphs:
         tables = np.full((size, max(inputs.block_tables.shape[1], 1)), self.scratch_block)
         tables[:n, : inputs.block_tables.shape[1]] = inputs.block_tables
         self.attention.plan(size, _padded(inputs.seq_lens, pad, 1), tables)
-        graph = self._graphs.get(size)
-        if graph is None:  # not captured (CPU): the same static-buffer step, eagerly
-            return self._forward(size)[:n]
-        graph.replay()
-        return self._outputs[size][:n]
+        self._graphs[size]()
+        return self.logits[:n]
 
     def _load(self, size: int, ids: IntArray, positions: IntArray, slots: IntArray) -> None:
         for static, host in (
@@ -335,6 +397,10 @@ class DecodeGraphs:
             (self.slot_mapping, slots),
         ):
             static[:size].copy_(torch.from_numpy(np.ascontiguousarray(host)), non_blocking=True)
+
+    def _step(self, size: int) -> None:
+        """The captured step: forward ``size`` rows, logits into the shared output."""
+        self.logits[:size].copy_(self._forward(size))
 
     @torch.inference_mode()
     def _forward(self, size: int) -> torch.Tensor:
@@ -351,8 +417,6 @@ class DecodeGraphs:
         """Release the graphs, their pool and the attention's wrappers (idempotent)."""
         self._closed = True
         self._graphs.clear()
-        self._outputs.clear()
-        self._pool = None
         self.attention.close()
 
 

@@ -18,7 +18,12 @@ from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.attention import AttentionMetadata
 from inlinelm.gpu.attention_backends import make_attention_backend, select_attention_backend
-from inlinelm.gpu.cuda_graphs import DecodeGraphs, make_graph_attention
+from inlinelm.gpu.cuda_graphs import (
+    CudaGraphCapture,
+    DecodeGraphs,
+    EagerCapture,
+    make_graph_attention,
+)
 from inlinelm.gpu.grammar_mask import GrammarMasks
 from inlinelm.gpu.input_batch import InputBatch, IntArray, StepInputs
 from inlinelm.gpu.kernels import make_kernels
@@ -486,11 +491,14 @@ class ModelRunner:
             sizes,
             scratch_block=self.scratch_block,
             block_size=self.config.block_size,
+            vocab_size=self.model_config.vocab_size,
             device=self.device,
         )
-        if capture:
+        if not capture:
+            self.graphs.capture(EagerCapture())
+        else:
             start = time.perf_counter()
-            self.graphs.capture()
+            self.graphs.capture(CudaGraphCapture(self.device))
             logger.info(
                 "captured %d decode graphs (batch 1..%d) in %.2f s",
                 len(sizes),

@@ -5,19 +5,28 @@
 #   benchmarks/gpu_check.sh OUTDIR
 #
 # Stages, in order, each a subprocess under its own `timeout` (clipped to what is left of
-# GPU_CHECK_BUDGET_S, default 470 s): probe, install (wheels from .whl/, see
-# benchmarks/gpu_wheels.sh), jit (FlashInfer kernels built once), gpu_decode, gpu_e2e,
-# pytest (-m gpu tests/gpu). After each stage one JSON line is appended to OUTDIR/stages.jsonl:
+# GPU_CHECK_BUDGET_S, default 470 s): probe (toolchain facts), install (the wheels from
+# .whl/, see benchmarks/gpu_wheels.sh; the prebuilt FlashInfer modules from .kernels/, see
+# benchmarks/gpu_kernels.sh, placed and load-tested; then which packages import), jit (every
+# FlashInfer module not prebuilt, in one parallel build; each kernel family run once),
+# gpu_decode, gpu_e2e, pytest (-m gpu tests/gpu). After each stage one JSON line is appended
+# to OUTDIR/stages.jsonl:
 #   {"stage", "status": ok|skipped: ...|failed|timeout, "rc", "seconds", "limit_s", "data", "tail"}
 # so a kill keeps what finished. OUTDIR also gets check.log (every stage's output),
-# pytest.xml, gpu_decode.json and gpu_e2e.json. Without CUDA every device stage reports
-# "skipped: no CUDA" within seconds (pytest only collects). Exit status: 0 when every stage
-# is ok or skipped, 1 when one failed or timed out, 2 for a usage error.
+# pytest.xml, gpu_decode.json and gpu_e2e.json.
+#
+# Without CUDA the check is a rehearsal of the same code: gpu_decode and gpu_e2e run on the
+# CPU at tiny shapes (--rehearsal: the static decode step uncaptured, the pipelined engine
+# loop, the HTTP clients of the idle measurement), the pytest stage runs the CPU twins of
+# the gpu tests (benchmarks/gpu_stages.py twins), jit reports "skipped: no CUDA". Exit
+# status: 0 when every stage is ok or skipped, 1 when one failed or timed out, 2 for a
+# usage error.
 #
 # Environment: PYTHON (.venv/bin/python when present, else python3), GPU_CHECK_BUDGET_S (470), GPU_CHECK_STAGES (a space-separated
 # subset to rerun, e.g. "install jit gpu_decode"; the others report "skipped: not in
-# GPU_CHECK_STAGES"; later stages need install), GPU_CHECK_WHEELS (.whl), GPU_CHECK_SITE
-# (/tmp/inlinelm-gpu-site), GPU_CHECK_CACHE (/tmp/inlinelm-gpu-cache: FlashInfer's JIT cache).
+# GPU_CHECK_STAGES"; later stages need install), GPU_CHECK_WHEELS (.whl), GPU_CHECK_KERNELS
+# (.kernels), GPU_CHECK_SITE (/tmp/inlinelm-gpu-site), GPU_CHECK_CACHE (/tmp/inlinelm-gpu-cache:
+# FlashInfer's JIT cache).
 set -u
 if [ $# -ne 1 ]; then
     echo "usage: $0 OUTDIR" >&2
@@ -34,6 +43,7 @@ fi
 PY="${PYTHON:-python3}"
 BUDGET="${GPU_CHECK_BUDGET_S:-470}"
 WHEELS="${GPU_CHECK_WHEELS:-$ROOT/.whl}"
+KERNELS="${GPU_CHECK_KERNELS:-$ROOT/.kernels}"
 SITE="${GPU_CHECK_SITE:-/tmp/inlinelm-gpu-site}"
 CACHE="${GPU_CHECK_CACHE:-/tmp/inlinelm-gpu-cache}"
 WORK="$(mktemp -d)"
@@ -115,6 +125,7 @@ stage() {
     [ "$limit" -gt "$left" ] && limit="$left"
     if [ "$limit" -lt 10 ]; then
         record "$name" 0 "$(date +%s.%N)" 0 "skipped: budget spent" | tee -a "$OUT/check.log"
+        STATUS=""
         return 0
     fi
     echo "=== $name (limit ${limit} s): $*" >>"$OUT/check.log"
@@ -135,43 +146,39 @@ stage probe 60 "$PY" benchmarks/gpu_stages.py probe
 HAS_CUDA=0
 grep -q '"cuda_available": true' "$OUT/stages.jsonl" && HAS_CUDA=1
 
-INSTALL=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
-    --target "$SITE")
-if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
-    # A rehearsal on another Python: unpack the cp312 wheels to prove them, import none.
-    INSTALL+=(--python-version 3.12 --implementation cp --abi cp312 --only-binary=:all:
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
-        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)
-    CROSS=1
+CROSS=0
+"$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' || CROSS=1
+if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    STATUS="skipped: no wheels in $WHEELS (run benchmarks/gpu_wheels.sh)"
+elif [ "$CROSS" = 1 ]; then
+    STATUS="ok: unpacked for cp312, not importable by this Python"
 fi
-if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-    if [ "${CROSS:-0}" = 1 ]; then
-        STATUS="ok: unpacked for cp312, not importable by this Python" stage install 120 \
-            "${INSTALL[@]}" "$WHEELS"/*.whl
-    else
-        stage install 120 "${INSTALL[@]}" "$WHEELS"/*.whl
-    fi
-else
-    STATUS="skipped: no wheels in $WHEELS (run benchmarks/gpu_wheels.sh)" stage install 30 true
-fi
+stage install 180 "$PY" benchmarks/gpu_stages.py install "$WHEELS" "$SITE" "$KERNELS"
 # NOTE: also a site installed by an earlier call on the same machine (a rerun of some stages).
-if [ "${CROSS:-0}" = 0 ] && [ -d "$SITE" ]; then
+if [ "$CROSS" = 0 ] && [ -d "$SITE" ]; then
     export PYTHONPATH="$SITE:$PYTHONPATH"
 fi
 
-stage jit 150 "$PY" benchmarks/gpu_stages.py jit
+stage jit 180 "$PY" benchmarks/gpu_stages.py jit
 
 # NOTE: the benchmarks before the test run, each with its own slice: a slow or hanging test
-# must not leave them "budget spent"; pytest takes what is left (about 2.5 minutes).
-stage gpu_decode 80 "$PY" benchmarks/gpu_decode.py --json "$OUT/gpu_decode.json"
-stage gpu_e2e 100 "$PY" benchmarks/gpu_e2e.py --json "$OUT/gpu_e2e.json"
+# must not leave them "budget spent"; pytest takes what is left (about 2 minutes).
+REHEARSAL=()
+if [ "$HAS_CUDA" = 0 ]; then
+    REHEARSAL=(--rehearsal)
+    STATUS="ok: CPU rehearsal"
+fi
+stage gpu_decode 80 "$PY" benchmarks/gpu_decode.py "${REHEARSAL[@]}" --json "$OUT/gpu_decode.json"
+[ "$HAS_CUDA" = 0 ] && STATUS="ok: CPU rehearsal"
+stage gpu_e2e 100 "$PY" benchmarks/gpu_e2e.py "${REHEARSAL[@]}" --json "$OUT/gpu_e2e.json"
 
 if [ "$HAS_CUDA" = 1 ]; then
     stage pytest 200 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
         --junitxml="$OUT/pytest.xml"
 else
-    STATUS="skipped: no CUDA (collected only)" stage pytest 120 "$PY" -m pytest -m gpu \
-        tests/gpu -q -p no:cacheprovider --collect-only
+    mapfile -t TWINS < <("$PY" benchmarks/gpu_stages.py twins)
+    STATUS="ok: CPU twins (no CUDA)" stage pytest 120 "$PY" -m pytest -q -p no:cacheprovider \
+        --junitxml="$OUT/pytest.xml" "${TWINS[@]}"
 fi
 
 

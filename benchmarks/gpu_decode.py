@@ -11,13 +11,16 @@ tokens on the host, so the two agree; the table quotes the host time). The 8B st
 compared with its weight-bandwidth floor: the bytes one step must read (every weight but
 the embedding table, plus the KV cache) over the device copy bandwidth measured in this run.
 
-Exits 3 with a 'skipped' record when there is no CUDA device. Prints a table; ``--json PATH``.
+Exits 3 with a 'skipped' record when there is no CUDA device, unless ``--rehearsal``: then
+it runs on the CPU at tiny shapes (both models shrunk, batches 1 and 2, float32), the static
+decode step uncaptured (see ``_gpu.runner_as_on_cuda``). Prints a table; ``--json PATH``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +30,9 @@ import _gpu
 from _common import median, percentile, write_json
 
 BATCHES = (1, 8, 32, 64, 128, 256)
+REHEARSAL_BATCHES = (1, 2)
+REHEARSAL_STEPS = (1, 3)  # warm-up and timed decode steps of a CPU rehearsal
+REHEARSAL_MAX_MODEL_LEN = 128
 PROMPT_TOKENS = 32
 WARMUP_STEPS = 3
 TIMED_STEPS = 20
@@ -37,20 +43,30 @@ TARGETS = {
 }
 
 
-def model_shapes() -> dict[str, dict[str, Any]]:
-    return {"smollm2-135m": _gpu.smollm2_config(), "llama3-8b": dict(_gpu.LLAMA3_8B)}
+def model_shapes(device: str = "cuda") -> dict[str, dict[str, Any]]:
+    """The two measured shapes; on a CPU rehearsal, tiny ones of the same kinds (query heads
+    per KV head 2 and 4, tied and untied heads)."""
+    shapes = {"smollm2-135m": _gpu.smollm2_config(), "llama3-8b": dict(_gpu.LLAMA3_8B)}
+    if device != "cuda":
+        return {
+            name: _gpu.tiny_shape(c, 2 if name == "smollm2-135m" else 1)
+            for name, c in shapes.items()
+        }
+    return shapes
 
 
-def runner_options(graphs: bool, attention_backend: str, max_batch: int) -> dict[str, Any]:
+def runner_options(
+    graphs: bool, attention_backend: str, max_batch: int, device: str = "cuda"
+) -> dict[str, Any]:
     options: dict[str, Any] = {
-        "device": "cuda",
-        "dtype": "bfloat16",
+        "device": device,
+        "dtype": _gpu.model_dtype(device),
         "attention_backend": attention_backend,
         "enforce_eager": not graphs,
         "async_scheduling": False,
         "max_num_seqs": max_batch,
         "max_num_batched_tokens": max(2048, max_batch * PROMPT_TOKENS),
-        "max_model_len": 1024,
+        "max_model_len": 1024 if device == "cuda" else REHEARSAL_MAX_MODEL_LEN,
         # every request: 32 prompt + 24 new tokens = 4 blocks of 16
         "num_kv_blocks": max_batch * 4 + 64,
     }
@@ -59,20 +75,18 @@ def runner_options(graphs: bool, attention_backend: str, max_batch: int) -> dict
     return options
 
 
-def decode_steps(runner: Any, scheduler: Any, batch: int) -> dict[str, Any]:
-    """Time ``TIMED_STEPS`` decode steps of ``batch`` requests (after prefill and a warm-up).
+def decode_steps(runner: Any, scheduler: Any, batch: int, device: str) -> dict[str, Any]:
+    """Time ``TIMED_STEPS`` decode steps of ``batch`` requests (after prefill and a warm-up;
+    fewer of both on a CPU rehearsal).
 
     One scheduler serves every batch of a runner, as in the engine: the rows of finished
     requests leave the runner's persistent batch with the next step.
     """
-    import torch
-
     from inlinelm.sampling_params import SamplingParams
     from inlinelm.sched.request import Request
 
-    params = SamplingParams(
-        temperature=0.0, max_tokens=WARMUP_STEPS + TIMED_STEPS + 1, ignore_eos=True
-    )
+    warmup, timed = (WARMUP_STEPS, TIMED_STEPS) if device == "cuda" else REHEARSAL_STEPS
+    params = SamplingParams(temperature=0.0, max_tokens=warmup + timed + 1, ignore_eos=True)
     vocab = runner.model_config.vocab_size
     for i in range(batch):
         ids = [1 + (i * 131 + j * 7) % (vocab - 1) for j in range(PROMPT_TOKENS)]
@@ -83,7 +97,7 @@ def decode_steps(runner: Any, scheduler: Any, batch: int) -> dict[str, Any]:
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
         decoding = len(out.scheduled) == batch and all(s.num_tokens == 1 for s in out.scheduled)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = _gpu.event(device), _gpu.event(device)
         start.record()
         t0 = time.perf_counter()
         result = runner.execute(out)
@@ -91,7 +105,7 @@ def decode_steps(runner: Any, scheduler: Any, batch: int) -> dict[str, Any]:
         end.record()
         scheduler.update_from_output(out, result)
         decode_seen += decoding
-        if decoding and decode_seen > WARMUP_STEPS and len(host_ms) < TIMED_STEPS:
+        if decoding and decode_seen > warmup and len(host_ms) < timed:
             end.synchronize()
             host_ms.append((t1 - t0) * 1e3)
             device_ms.append(start.elapsed_time(end))
@@ -114,19 +128,16 @@ def floor_ms(runner: Any, batch: int, bandwidth: float) -> float:
     weight_bytes = sum(
         t.numel() * t.element_size() for t in model.parameters() if t.data_ptr() != embed.data_ptr()
     )
-    if runner.model_config.tie_word_embeddings:
-        weight_bytes += embed.numel() * embed.element_size()  # read again as the head
+    # NOTE: a tied head is a copy of the embedding (lm_head.weight_t), counted above.
     cfg = runner.model_config
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * embed.element_size()
     context = PROMPT_TOKENS + WARMUP_STEPS + TIMED_STEPS // 2
-    return (weight_bytes + batch * context * kv_per_token) / bandwidth * 1e3
+    return float((weight_bytes + batch * context * kv_per_token) / bandwidth * 1e3)
 
 
 def measure_model(
     name: str, shape: dict[str, Any], args: argparse.Namespace, bandwidth: float
 ) -> list[dict[str, Any]]:
-    import torch
-
     from inlinelm.sched.scheduler import Scheduler
 
     rows: list[dict[str, Any]] = []
@@ -136,7 +147,7 @@ def measure_model(
             mode = "graph" if graphs else "eager"
             try:
                 config = _gpu.engine_config(
-                    **runner_options(graphs, args.attention_backend, max(args.batches))
+                    **runner_options(graphs, args.attention_backend, max(args.batches), args.device)
                 )
                 t0 = time.perf_counter()
                 with _gpu.random_weights():
@@ -151,7 +162,7 @@ def measure_model(
             for batch in args.batches:
                 row: dict[str, Any] = {"model": name, "mode": mode, "build_s": build_s}
                 try:
-                    row.update(decode_steps(runner, scheduler, batch))
+                    row.update(decode_steps(runner, scheduler, batch, args.device))
                     row["floor_ms"] = floor_ms(runner, batch, bandwidth)
                 except Exception as e:
                     row.update(batch=batch, error=_gpu.error_text(e))
@@ -160,7 +171,7 @@ def measure_model(
             runner.close()
             del runner
             gc.collect()
-            torch.cuda.empty_cache()
+            _gpu.empty_cache(args.device)
     return rows
 
 
@@ -231,33 +242,39 @@ def print_table(rows: list[dict[str, Any]], bandwidth: float, verdict: dict[str,
         print(f"  {key:<32} measured {value:>8}  target {v['target']}  met: {v['met']}")
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    parser.add_argument("--batches", type=int, nargs="+")
     parser.add_argument("--models", nargs="+", default=list(model_shapes()))
     parser.add_argument("--attention-backend", default="auto")
+    _gpu.add_rehearsal_argument(parser)
     args = parser.parse_args()
-    _gpu.exit_if_no_cuda(args.json, "gpu_decode")
+    args.device = _gpu.pick_device(args.rehearsal, args.json, "gpu_decode")
+    if args.batches is None:
+        args.batches = list(BATCHES if args.device == "cuda" else REHEARSAL_BATCHES)
     import torch
 
-    bandwidth = _gpu.copy_bandwidth()
+    bandwidth = _gpu.copy_bandwidth(args.device)
     rows: list[dict[str, Any]] = []
-    for name in args.models:
-        rows.extend(measure_model(name, model_shapes()[name], args, bandwidth))
+    with _gpu.runner_as_on_cuda(args.device):
+        for name in args.models:
+            rows.extend(measure_model(name, model_shapes(args.device)[name], args, bandwidth))
     verdict = verdicts(rows)
     print_table(rows, bandwidth, verdict)
     write_json(
         args.json,
         {
-            "device": torch.cuda.get_device_name(),
+            "device": _gpu.device_name(args.device),
+            "rehearsal": args.device != "cuda",
             "torch": torch.__version__,
             "copy_bandwidth_bytes_per_s": bandwidth,
             "rows": rows,
             "targets": verdict,
         },
     )
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,7 +18,11 @@ Chat prompts of mixed length, 128 new tokens each (``ignore_eos``), greedy:
   device's own clock. Time inside a step's span counts as busy, so this is the idle time the
   host adds between steps (scheduling, output handling, the frontend holding the GIL).
 
-Exits 3 with a 'skipped' record when there is no CUDA device. Prints a table; ``--json PATH``.
+Exits 3 with a 'skipped' record when there is no CUDA device, unless ``--rehearsal``: then
+the same waves run on the CPU at tiny shapes (a 2-layer model of the SmolLM2 kind, float32,
+1, 2 and 4 requests of 4 tokens, 4 HTTP clients), through the pipelined engine loop and the
+uncaptured static decode step (see ``_gpu.runner_as_on_cuda``), host clocks standing in for
+CUDA events. Prints a table; ``--json PATH``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import asyncio
 import gc
 import itertools
 import multiprocessing as mp
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,21 +41,23 @@ from typing import Any
 import _gpu
 from _common import chat_messages, median, percentile, write_json
 
-DEVICE = "cuda"
 CONCURRENCY = (1, 64, 256)
 NEW_TOKENS = 128
+REHEARSAL_CONCURRENCY = (1, 2, 4)
+REHEARSAL_NEW_TOKENS = 4
 TARGETS = {"throughput_vs_generate_at_64": 5.0, "idle_share_http_256": 0.05}
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    full = max(args.concurrency)
     return {
-        "device": DEVICE,
-        "dtype": "bfloat16",
+        "device": args.device,
+        "dtype": _gpu.model_dtype(args.device),
         "attention_backend": args.attention_backend,
-        "max_num_seqs": 256,
+        "max_num_seqs": full,
         "max_num_batched_tokens": 8192,
-        "max_model_len": 2048,
-        "num_kv_blocks": 256 * 16 + 64,
+        "max_model_len": 2048 if args.device == "cuda" else 256,
+        "num_kv_blocks": full * 16 + 64,
     }
 
 
@@ -72,7 +79,8 @@ def time_generate(model: Any, input_ids: Any, mask: Any, new_tokens: int) -> flo
     """Seconds for one greedy ``generate`` of exactly ``new_tokens`` tokens per row."""
     import torch
 
-    torch.cuda.synchronize()
+    device = str(input_ids.device.type)
+    _gpu.synchronize(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -83,24 +91,26 @@ def time_generate(model: Any, input_ids: Any, mask: Any, new_tokens: int) -> flo
             do_sample=False,
             pad_token_id=2,
         )
-    torch.cuda.synchronize()
+    _gpu.synchronize(device)
     assert out.shape[1] == input_ids.shape[1] + new_tokens
     return time.perf_counter() - t0
 
 
-def transformers_rows(folder: Path, ids: list[list[int]], new_tokens: int) -> list[dict[str, Any]]:
+def transformers_rows(
+    folder: Path, ids: list[list[int]], args: argparse.Namespace
+) -> list[dict[str, Any]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = (
-        AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).to(DEVICE).eval()
-    )
+    device, new_tokens = args.device, args.new_tokens
+    dtype = getattr(torch, _gpu.model_dtype(device))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
     rows = []
-    for c in CONCURRENCY:
+    for c in args.concurrency:
         batch = ids[:c]
         width = max(len(p) for p in batch)
-        input_ids = torch.tensor([[2] * (width - len(p)) + p for p in batch], device=DEVICE)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=DEVICE)
+        input_ids = torch.tensor([[2] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         time_generate(model, input_ids, mask, 2)  # warm-up: kernels, allocator
         ttft = time_generate(model, input_ids, mask, 1)
         wall = time_generate(model, input_ids, mask, new_tokens)
@@ -119,7 +129,7 @@ def transformers_rows(folder: Path, ids: list[list[int]], new_tokens: int) -> li
         print(f"  transformers c={c}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
     del model
     gc.collect()
-    torch.cuda.empty_cache()
+    _gpu.empty_cache(device)
     return rows
 
 
@@ -129,8 +139,9 @@ def transformers_rows(folder: Path, ids: list[list[int]], new_tokens: int) -> li
 class StepTimeline:
     """CUDA events around every step the engine thread launches (see the module docstring)."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, device: str) -> None:
         self.runner = runner
+        self.device = device
         self.steps: list[tuple[Any, Any, int, bool]] = []  # start, end, rows, all decode
         self.recording = False
 
@@ -145,9 +156,11 @@ class StepTimeline:
         def timed(batch: Any) -> Any:
             if not self.recording:
                 return launch(batch)
-            own = getattr(self.runner, "stream", None)
-            stream = own if isinstance(own, torch.cuda.Stream) else torch.cuda.current_stream()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            stream = None
+            if self.device == "cuda":
+                own = getattr(self.runner, "stream", None)
+                stream = own if isinstance(own, torch.cuda.Stream) else torch.cuda.current_stream()
+            start, end = _gpu.event(self.device), _gpu.event(self.device)
             start.record(stream)
             try:
                 return launch(batch)
@@ -270,15 +283,18 @@ async def inlinelm_rows(
     rows: list[dict[str, Any]] = []
     idle: dict[str, Any] = {}
     async with Engine(config) as engine:
-        timeline = StepTimeline(engine._loaded.core.runner)
+        assert engine._loaded is not None  # started by the context manager
+        core = engine._loaded.core
+        idle["engine_loop"] = "pipelined" if core.config.async_scheduling else "plain"
+        timeline = StepTimeline(core.runner, args.device)
         timeline.install()
         await engine_wave(engine, ids[:4], 8)  # warm-up
-        for c in CONCURRENCY:
-            timeline.recording = c == max(CONCURRENCY)
+        for c in args.concurrency:
+            timeline.recording = c == max(args.concurrency)
             rows.append(await engine_wave(engine, ids[:c], args.new_tokens))
             print(f"  inlinelm c={c}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
         timeline.recording = False
-        full = max(CONCURRENCY)
+        full = max(args.concurrency)
         idle["in_process_256"] = timeline.take(full)
         try:
             timeline.recording = True
@@ -291,14 +307,17 @@ async def inlinelm_rows(
     return rows, idle
 
 
-def verdicts(rows: list[dict[str, Any]], idle: dict[str, Any]) -> dict[str, Any]:
+def verdicts(rows: list[dict[str, Any]], idle: dict[str, Any], middle: int = 64) -> dict[str, Any]:
+    """The H200 targets; ``middle`` is the concurrency of the throughput ratio (64; the
+    rehearsal's middle wave off CUDA)."""
+
     def tps(system: str, c: int) -> float | None:
         for r in rows:
             if r["system"] == system and r["concurrency"] == c:
                 return float(r["tokens_per_s"])
         return None
 
-    ours, theirs = tps("inlinelm", 64), tps("transformers generate", 64)
+    ours, theirs = tps("inlinelm", middle), tps("transformers generate", middle)
     ratio = ours / theirs if ours and theirs else None
     share = idle.get("http_256", {}).get("idle_share")
     return {
@@ -338,41 +357,48 @@ def print_table(rows: list[dict[str, Any]], idle: dict[str, Any], verdict: dict[
         print(f"  {key:<30} measured {value:>8}  target {v['target']}  met: {v['met']}")
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--skip-transformers", action="store_true")
+    _gpu.add_rehearsal_argument(parser)
     args = parser.parse_args()
-    _gpu.exit_if_no_cuda(args.json, "gpu_e2e")
+    args.device = _gpu.pick_device(args.rehearsal, args.json, "gpu_e2e")
+    on_cuda = args.device == "cuda"
+    args.concurrency = CONCURRENCY if on_cuda else REHEARSAL_CONCURRENCY
+    if args.new_tokens is None:
+        args.new_tokens = NEW_TOKENS if on_cuda else REHEARSAL_NEW_TOKENS
     import torch
     from transformers import AutoTokenizer
 
     rows: list[dict[str, Any]] = []
     idle: dict[str, Any] = {}
     errors: list[str] = []
+    shape = _gpu.smollm2_config() if on_cuda else _gpu.tiny_shape(_gpu.smollm2_config(), 2)
+    dtype = getattr(torch, _gpu.model_dtype(args.device))
     with tempfile.TemporaryDirectory() as tmp:
-        folder = _gpu.write_random_model(
-            Path(tmp) / "smollm2-random", _gpu.smollm2_config(), torch.bfloat16
-        )
-        ids = prompts(AutoTokenizer.from_pretrained(str(folder)), max(CONCURRENCY))
+        folder = _gpu.write_random_model(Path(tmp) / "smollm2-random", shape, dtype)
+        ids = prompts(AutoTokenizer.from_pretrained(str(folder)), max(args.concurrency))
         try:
-            ours, idle = asyncio.run(inlinelm_rows(folder, ids, args))
+            with _gpu.runner_as_on_cuda(args.device):
+                ours, idle = asyncio.run(inlinelm_rows(folder, ids, args))
             rows.extend(ours)
         except Exception as e:
             errors.append(f"inlinelm: {_gpu.error_text(e)}")
             print(errors[-1], flush=True)
         if not args.skip_transformers:
-            rows.extend(transformers_rows(folder, ids, args.new_tokens))
-    verdict = verdicts(rows, idle)
+            rows.extend(transformers_rows(folder, ids, args))
+    verdict = verdicts(rows, idle, sorted(args.concurrency)[1])
     print_table(rows, idle, verdict)
     for error in errors:
         print(f"error: {error}")
     write_json(
         args.json,
         {
-            "device": torch.cuda.get_device_name(),
+            "device": _gpu.device_name(args.device),
+            "rehearsal": not on_cuda,
             "torch": torch.__version__,
             "new_tokens": args.new_tokens,
             "prompt_tokens": [len(p) for p in ids],
@@ -382,7 +408,9 @@ def main() -> None:
             "targets": verdict,
         },
     )
+    failed = errors or any("error" in v for v in idle.values() if isinstance(v, dict))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

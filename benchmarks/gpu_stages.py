@@ -1,14 +1,19 @@
-"""The Python stages of ``benchmarks/gpu_check.sh``: ``probe`` and ``jit``.
+"""The Python stages of ``benchmarks/gpu_check.sh``: ``probe``, ``install``, ``jit``, ``twins``.
 
 Each prints human-readable lines and, last, one ``@@data {json}`` line the check records.
 ``jit`` exits 3 (skipped) without a CUDA device.
 
-* ``probe``: toolchain and package facts (nvidia-smi, nvcc, CUDA_HOME layout, torch, CUDA,
-  the dlpack exchange attribute tvm-ffi looks for, and which optional packages import).
-* ``jit``: builds FlashInfer's kernels once for the shapes the GPU tests and benchmarks use
-  (head dim 64 with 3 and 4 query heads per KV head, head dim 128 with 4), by running one
-  paged prefill and one decode through inlinelm's FlashInfer backend; later stages in the
-  same call find them in ``FLASHINFER_WORKSPACE_BASE``.
+* ``probe``: toolchain facts before anything is installed (nvidia-smi, nvcc, CUDA_HOME and
+  the headers and driver stub FlashInfer's JIT needs, torch, CUDA, the dlpack exchange
+  attribute tvm-ffi looks for).
+* ``install WHEELS SITE KERNELS``: pip-installs the carried wheels into SITE, copies the
+  prebuilt FlashInfer modules from KERNELS into FlashInfer's AOT folder and load-tests them
+  (``benchmarks/gpu_kernels.py install``), then reports which packages import.
+* ``jit``: builds every FlashInfer module that is not prebuilt in one parallel call
+  (``benchmarks/gpu_kernels.py``), then runs each kernel family once for the shapes the GPU
+  tests and benchmarks use (head dim 64 with 3 and 4 query heads per KV head, 128 with 4).
+* ``twins``: the node ids of the CPU tests standing in for the ``gpu`` tests, which the
+  check's pytest stage runs where there is no CUDA device.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 SKIPPED_EXIT = 3
@@ -44,6 +51,57 @@ OPTIONAL_PACKAGES = (
 )
 
 
+_G = "tests/gpu/"
+CPU_TWINS: dict[str, tuple[str, ...]] = {
+    # gpu test -> the CPU tests that run the same path with a CPU device or a stand-in
+    _G + "test_attention_backends.py::test_page_table_attention_equals_torch_backend_on_cuda": (
+        _G + "test_page_table.py::test_page_table_attention_equals_torch_backend",
+    ),
+    _G + "test_attention_backends.py::test_flashinfer_equals_torch_backend_on_cuda": (
+        _G + "test_attention_backends.py::test_flashinfer_glue_plans_once_and_matches_torch",
+    ),
+    _G + "test_attention_backends.py::test_auto_picks_flashinfer_on_cuda_when_installed": (
+        _G + "test_attention_backends.py::test_auto_on_cuda_is_flashinfer_when_it_imports",
+    ),
+    _G + "test_cuda_graphs.py::test_graph_replay_equals_eager_at_every_size_on_cuda": (
+        _G + "test_cuda_graphs.py::test_static_step_tokens_equal_the_dynamic_path_at_every_size",
+    ),
+    _G + "test_kernels.py::test_flashinfer_kernels_equal_the_torch_ones_on_cuda": (
+        _G + "test_kernels.py::test_flashinfer_kernels_wiring_matches_torch_on_a_stand_in",
+    ),
+    _G + "test_model_cuda.py::test_cuda_logits_equal_the_cpu_model": (
+        _G + "test_model_cuda.py::test_a_cpu_runner_is_float32_with_torch_kernels_and_attention",
+    ),
+    _G + "test_model_cuda.py::test_close_returns_gpu_memory_and_a_second_runner_starts": (
+        _G + "test_model_cuda.py::test_close_drops_the_model_and_cache_and_is_idempotent",
+    ),
+    _G + "test_model_cuda.py::test_a_second_engine_starts_and_generates_after_the_first_closes": (
+        "tests/runtime/test_lifecycle.py::test_close_frees_the_runner_even_while_the_engine_object_lives",
+    ),
+    _G + "test_pipelined_runner.py::test_pipelined_greedy_equals_plain_on_cuda": (
+        _G + "test_pipelined_runner.py::test_abort_in_flight",
+        _G + "test_pipelined_runner.py::test_pipelined_static_decode_equals_plain",
+    ),
+    _G + "test_sampler.py::test_seed_is_batch_invariant_on_cuda_at_full_size": (
+        _G + "test_sampler.py::test_seed_gives_the_same_tokens_whatever_the_batch_and_row",
+    ),
+    _G + "test_gpu_engine.py::test_greedy_is_the_same_in_every_mode_and_equals_transformers": (
+        _G + "test_model_runner.py::test_greedy_equals_transformers",
+    ),
+    _G + "test_gpu_engine.py::test_256_streams_through_the_runtime_on_cuda": (
+        "tests/runtime/test_engine_streams.py::test_1000_concurrent_streams_each_get_exactly_their_text",
+    ),
+    _G + "test_gpu_engine.py::test_256_sse_streams_through_the_router_on_cuda": (
+        "tests/api/test_sse.py::test_chat_stream_shape_silent_steps_and_usage",
+    ),
+    _G + "test_gpu_engine.py::test_device_memory_is_returned_on_close": (
+        "tests/runtime/test_lifecycle.py::test_close_frees_the_runner_even_while_the_engine_object_lives",
+    ),
+}
+"""Each ``gpu`` test and its CPU twins: what the check's pytest stage runs without CUDA
+(``tests/test_gpu_check.py`` holds every twin to exist and to run without CUDA)."""
+
+
 def emit(data: dict[str, Any]) -> None:
     print("@@data " + json.dumps(data, default=str), flush=True)
 
@@ -58,9 +116,9 @@ def command(*args: str) -> str:
     return (done.stdout + done.stderr).strip()[-800:]
 
 
-def package_versions() -> dict[str, str]:
+def package_versions(names: tuple[str, ...] = OPTIONAL_PACKAGES) -> dict[str, str]:
     versions = {}
-    for name in OPTIONAL_PACKAGES:
+    for name in names:
         t0 = time.perf_counter()
         try:
             module = importlib.import_module(name)
@@ -69,6 +127,16 @@ def package_versions() -> dict[str, str]:
         except Exception as e:
             versions[name] = f"missing: {type(e).__name__}: {e}"[:200]
     return versions
+
+
+JIT_NEEDS = ("include/cublasLt.h", "include/cublas_v2.h", "include/curand_kernel.h")
+DRIVER_STUB = "lib64/stubs/libcuda.so"
+
+
+def toolkit_gaps(cuda_home: str) -> list[str]:
+    """What FlashInfer's JIT needs under ``cuda_home`` and does not find: the cuBLAS and
+    cuRAND headers (norm and sampling include them) and the driver stub ``-lcuda`` links."""
+    return [f for f in (*JIT_NEEDS, DRIVER_STUB) if not os.path.exists(os.path.join(cuda_home, f))]
 
 
 def probe() -> int:
@@ -91,8 +159,10 @@ def probe() -> int:
         )
         if cuda_home and os.path.isdir(os.path.join(cuda_home, "lib64"))
         else "no lib64",
+        "cuda_home_missing": toolkit_gaps(cuda_home) if cuda_home else "no CUDA_HOME",
+        "wheel_headers": wheel_headers(),
         "nproc": os.cpu_count(),
-        "packages": package_versions(),
+        "packages_pre_install": package_versions(("transformers", "triton", "pytest")),
     }
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
@@ -108,6 +178,67 @@ def probe() -> int:
     return 0
 
 
+def wheel_headers() -> str | None:
+    """The include folder of the nvidia cu13 wheels torch depends on, if it has the cuBLAS
+    and cuRAND headers (the JIT's fallback where ``CUDA_HOME`` lacks them)."""
+    try:
+        import nvidia  # type: ignore[import-not-found]  # the CUDA wheels' namespace package
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        include = os.path.join(root, "cu13", "include")
+        if all(os.path.exists(os.path.join(include, os.path.basename(f))) for f in JIT_NEEDS):
+            return include
+    return None
+
+
+def install(wheels: str, site: str, kernels: str) -> int:
+    """pip-install ``wheels/*.whl`` into ``site``, place the prebuilt modules, report packages."""
+    files = sorted(str(p) for p in Path(wheels).glob("*.whl"))
+    data: dict[str, Any] = {"wheels": len(files)}
+    if not files:
+        print(f"no wheels in {wheels} (run benchmarks/gpu_wheels.sh)")
+        data["packages"] = package_versions()
+        emit(data)
+        return 0
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
+    pip += ["--no-compile", "--no-cache-dir", "--upgrade", "--target", site]
+    cross = sys.version_info[:2] != (3, 12)
+    if cross:  # a rehearsal on another Python: unpack the cp312 wheels to prove them
+        pip += ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp312"]
+        pip += ["--only-binary=:all:", "--platform", "any"]
+        pip += [f"--platform={p}_x86_64" for p in ("manylinux_2_28", "manylinux_2_24")]
+        pip += ["--platform=manylinux_2_17_x86_64", "--platform=manylinux2014_x86_64"]
+    t0 = time.perf_counter()
+    done = subprocess.run([*pip, *files], capture_output=True, text=True, check=False)
+    data["pip_s"] = time.perf_counter() - t0
+    print((done.stdout + done.stderr).strip()[-2000:])
+    if done.returncode != 0:
+        data["pip_rc"] = done.returncode
+        emit(data)
+        return 1
+    if cross:
+        data["kernels"] = "not placed: the cp312 packages do not import on this Python"
+    else:
+        sys.path.insert(0, site)
+        data["kernels"] = place_kernels(kernels)
+    data["packages"] = package_versions()
+    for key, value in data.items():
+        print(f"{key}: {value}")
+    emit(data)
+    return 0
+
+
+def place_kernels(kernels: str) -> dict[str, Any]:
+    """The prebuilt FlashInfer modules copied into its AOT folder and load-tested (all or
+    none stay; see ``gpu_kernels.install``)."""
+    import torch  # noqa: F401  # NOTE: first: the modules need the CUDA runtime it loads
+
+    import gpu_kernels
+
+    return gpu_kernels.install(Path(kernels))
+
+
 def jit() -> int:
     import torch
 
@@ -118,14 +249,30 @@ def jit() -> int:
     t0 = time.perf_counter()
     import flashinfer
 
+    import gpu_kernels
+
     data: dict[str, Any] = {
         "flashinfer": flashinfer.__version__,
         "import_s": time.perf_counter() - t0,
         "workspace_base": os.environ.get("FLASHINFER_WORKSPACE_BASE"),
         "arch_list": os.environ.get("FLASHINFER_CUDA_ARCH_LIST"),
+        "toolkit_fallbacks": toolkit_fallbacks(),
         "shapes": [],
     }
     failed = False
+    try:
+        data["build"] = gpu_kernels.jit()
+    except Exception as e:
+        data["build"] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
+        failed = True
+    print(data["build"], flush=True)
+    for name, run in (("kernels", warm_kernels), ("sampling", warm_sampling)):
+        try:
+            data[name] = run()
+        except Exception as e:
+            data[name] = {"error": f"{type(e).__name__}: {e}"[:800]}
+            failed = True
+        print(name, data[name], flush=True)
     for heads, kv_heads, head_dim in JIT_SHAPES:
         row: dict[str, Any] = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
         try:
@@ -138,6 +285,66 @@ def jit() -> int:
     data["total_s"] = time.perf_counter() - t0
     emit(data)
     return 1 if failed else 0
+
+
+def toolkit_fallbacks() -> dict[str, str]:
+    """Point FlashInfer's JIT at what ``CUDA_HOME`` lacks (D8 of the GPU review): the cuBLAS
+    and cuRAND headers of torch's CUDA wheels, and an empty ``libcuda.so.1`` stub for
+    ``-lcuda`` (no module calls the driver API). Returns the flags set."""
+    gaps = toolkit_gaps(os.environ.get("CUDA_HOME", ""))
+    flags: dict[str, str] = {}
+    headers = wheel_headers()
+    if any(g.startswith("include/") for g in gaps) and headers:
+        flags["FLASHINFER_EXTRA_CUDAFLAGS"] = f"-isystem {headers}"
+    if DRIVER_STUB in gaps:
+        stub = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", "/tmp")) / "libcuda-stub"
+        stub.mkdir(parents=True, exist_ok=True)
+        (stub / "stub.c").write_text("void inlinelm_libcuda_stub(void) {}\n")
+        compile_stub = ["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o"]
+        subprocess.run([*compile_stub, str(stub / "libcuda.so"), str(stub / "stub.c")], check=True)
+        flags["FLASHINFER_EXTRA_LDFLAGS"] = f"-L{stub}"
+    for key, value in flags.items():
+        os.environ[key] = f"{os.environ.get(key, '')} {value}".strip()
+    return {"missing": ", ".join(gaps), **flags}
+
+
+def warm_kernels() -> dict[str, float]:
+    """RMSNorm, fused add + RMSNorm, SiLU-and-mul and RoPE once each (SmolLM2's sizes)."""
+    import torch
+
+    from inlinelm.gpu.kernels import FlashInferKernels
+
+    t0 = time.perf_counter()
+    device, dtype, tokens = torch.device("cuda"), torch.bfloat16, 7
+    kernels = FlashInferKernels()
+    x = torch.randn(tokens, 576, device=device, dtype=dtype)
+    weight = torch.ones(576, device=device, dtype=dtype)
+    kernels.rms_norm(x, weight, 1e-5)
+    kernels.add_rms_norm(x.clone(), x.clone(), weight, 1e-5)
+    kernels.silu_and_mul(torch.randn(tokens, 2 * 1536, device=device, dtype=dtype))
+    qk = torch.randn(tokens, 12, 64, device=device, dtype=dtype)
+    table = torch.randn(4096, 64, device=device)
+    positions = torch.arange(tokens, device=device)
+    kernels.apply_rope(qk, 9, kernels.rope_inputs(table, positions, dtype))
+    torch.cuda.synchronize()
+    return {"seconds": time.perf_counter() - t0}
+
+
+def warm_sampling() -> dict[str, float]:
+    """Each sampling kernel the sampler calls, once."""
+    import torch
+
+    from inlinelm.gpu.sampler import FlashInferSampling
+
+    t0 = time.perf_counter()
+    probs = torch.softmax(torch.randn(4, 49152, device="cuda"), dim=-1)
+    top_k = torch.full((4,), 50, device="cuda")
+    top_p = torch.full((4,), 0.9, device="cuda")
+    sample = FlashInferSampling()
+    for k, p in ((None, None), (top_k, None), (None, top_p), (top_k, top_p)):
+        sample(probs, k, p)
+    torch.cuda.synchronize()
+    return {"seconds": time.perf_counter() - t0}
 
 
 def warm_shape(heads: int, kv_heads: int, head_dim: int) -> dict[str, float]:
@@ -179,12 +386,28 @@ def warm_shape(heads: int, kv_heads: int, head_dim: int) -> dict[str, float]:
     return timings
 
 
+def twins() -> int:
+    """Print the CPU twins' node ids, one a line (for the check's pytest stage)."""
+    for node in sorted({twin for pair in CPU_TWINS.values() for twin in pair}):
+        print(node)
+    return 0
+
+
 def main() -> int:
-    stages = {"probe": probe, "jit": jit}
-    if len(sys.argv) != 2 or sys.argv[1] not in stages:
-        print(f"usage: {sys.argv[0]} {{{','.join(stages)}}}", file=sys.stderr)
+    stages: dict[str, tuple[Callable[..., int], int]] = {
+        "probe": (probe, 0),
+        "install": (install, 3),
+        "jit": (jit, 0),
+        "twins": (twins, 0),
+    }
+    if len(sys.argv) < 2 or sys.argv[1] not in stages:
+        print(f"usage: {sys.argv[0]} {{{','.join(stages)}}} [ARGS]", file=sys.stderr)
         return 2
-    return stages[sys.argv[1]]()
+    run, num_args = stages[sys.argv[1]]
+    if len(sys.argv) != 2 + num_args:
+        print(f"usage: {sys.argv[0]} install WHEELS SITE KERNELS", file=sys.stderr)
+        return 2
+    return run(*sys.argv[2:])
 
 
 if __name__ == "__main__":

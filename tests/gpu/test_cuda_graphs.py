@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from inlinelm.config import EngineConfig
-from inlinelm.gpu.cuda_graphs import DecodeGraphs, capture_sizes
+from inlinelm.gpu.cuda_graphs import DecodeGraphs, GraphStep, capture_sizes
 from inlinelm.gpu.input_batch import StepInputs
 from inlinelm.gpu.model_runner import ModelRunner
 from inlinelm.sampling_params import SamplingParams
@@ -57,10 +57,9 @@ def _record_sizes(graphs: DecodeGraphs) -> list[tuple[int, int]]:
     seen: list[tuple[int, int]] = []
     run = graphs.run
 
-    def recording(inputs: StepInputs, fill: Any) -> torch.Tensor:
-        n = len(inputs.seq_lens)
-        seen.append((n, graphs.padded_size(n)))
-        return run(inputs, fill)
+    def recording(step: GraphStep, fill: Any) -> torch.Tensor:
+        seen.append((step.num_rows, step.size))
+        return run(step, fill)
 
     graphs.run = recording  # type: ignore[method-assign]
     return seen
@@ -204,8 +203,8 @@ def test_every_size_writes_its_logits_into_one_shared_buffer(
     outputs: list[torch.Tensor] = []
     run = graphs.run
 
-    def recording(inputs: StepInputs, fill: Any) -> torch.Tensor:
-        outputs.append(run(inputs, fill))
+    def recording(step: GraphStep, fill: Any) -> torch.Tensor:
+        outputs.append(run(step, fill))
         return outputs[-1]
 
     graphs.run = recording  # type: ignore[method-assign]

@@ -130,32 +130,52 @@ class TorchAttention:
         # NOTE: decode rows sorted by length and batched in groups, so short contexts are not
         # gathered and attended at the longest one's length.
         single.sort(key=lambda i: seq_lens[i])
-        decode = [
-            self._decode_group(meta, rows, [seq_lens[i] for i in rows], block_size)
-            for rows in (
-                single[k : k + DECODE_GROUP_SIZE] for k in range(0, len(single), DECODE_GROUP_SIZE)
-            )
-        ]
-        whole = not chunks and len(decode) == 1 and single == list(range(len(single)))
+        whole = (
+            not chunks
+            and 0 < len(single) <= DECODE_GROUP_SIZE
+            and single == list(range(len(single)))
+        )
+        if whole:
+            decode = [self._decode_group(meta, slice(0, len(single)), seq_lens, block_size)]
+        else:
+            decode = self._decode_groups(meta, single, seq_lens, block_size)
         meta.plan = _Plan(block_size, decode, chunks, whole)
 
+    def _decode_groups(
+        self, meta: AttentionMetadata, single: list[int], seq_lens: list[int], block_size: int
+    ) -> list[_DecodeGroup]:
+        """Groups of the decode rows ``single`` (sorted by length) of at most eight rows."""
+        if not single:
+            return []
+        order = _decode_order(meta)
+        groups = []
+        for k in range(0, len(single), DECODE_GROUP_SIZE):
+            rows = single[k : k + DECODE_GROUP_SIZE]
+            lens = [seq_lens[i] for i in rows]
+            groups.append(self._decode_group(meta, order[k : k + len(rows)], lens, block_size))
+        return groups
+
     def _decode_group(
-        self, meta: AttentionMetadata, rows: list[int], lens: list[int], block_size: int
+        self,
+        meta: AttentionMetadata,
+        index: torch.Tensor | slice,
+        lens: list[int],
+        block_size: int,
     ) -> _DecodeGroup:
+        """The group of decode rows ``index`` (device positions, or a slice) of lengths ``lens``."""
         device = meta.seq_lens.device
         num_blocks = -(-max(lens) // block_size)
-        index = torch.tensor(rows, device=device)
         key_mask = None
         if min(lens) != num_blocks * block_size:
             positions = torch.arange(num_blocks * block_size, device=device)
             key_mask = (positions.view(1, -1) < meta.seq_lens[index].view(-1, 1)).view(
-                len(rows), 1, 1, -1
+                len(lens), 1, 1, -1
             )
         return _DecodeGroup(
             meta.query_start_loc[index],
             meta.block_tables[index, :num_blocks],
             key_mask,
-            serial=len(rows) == 1 and num_blocks * block_size <= SERIAL_DECODE_MAX_KEYS,
+            serial=len(lens) == 1 and num_blocks * block_size <= SERIAL_DECODE_MAX_KEYS,
         )
 
     def _chunk(
@@ -248,6 +268,16 @@ class TorchAttention:
             enable_gqa=True,
         )
         out[chunk.start : chunk.end] = result[0].transpose(0, 1)
+
+
+def _decode_order(meta: AttentionMetadata) -> torch.Tensor:
+    """Rows with one query token, shortest context first (ties by row), then the others:
+    on the device, the order :meth:`TorchAttention.prepare` sorts the host lists in, so
+    no row index list is copied over."""
+    starts = meta.query_start_loc
+    single = (starts[1:] - starts[:-1]) == 1
+    key = torch.where(single, meta.seq_lens, torch.iinfo(meta.seq_lens.dtype).max)
+    return torch.argsort(key, stable=True)
 
 
 def _host_list(host: npt.NDArray[np.int64] | None, device: torch.Tensor) -> list[int]:

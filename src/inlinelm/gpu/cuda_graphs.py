@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,13 +38,17 @@ import torch
 from inlinelm.gpu.attention import AttentionMetadata, TorchAttention, _DecodeGroup, _Plan
 from inlinelm.gpu.input_batch import IntArray, StepInputs
 from inlinelm.gpu.page_table import PageTable, PageTableArrays, pack_page_table
+from inlinelm.gpu.staging import HostStaging, StagedColumn
 
 TORCH_GRAPH_MAX_KEYS = 1 << 20
 """Keys one layer of :class:`TorchGraphAttention` gathers at the largest size (rows times
 ``max_model_len``): it caps the torch backend's largest graph (its pool holds that gather)."""
 
-FillPending = Callable[[torch.Tensor, StepInputs], None]
+FillPending = Callable[[torch.Tensor], None]
 """Writes the tokens sampled by steps in flight into a step's ``input_ids`` (on the device)."""
+
+Plan = Callable[[], None]
+"""Loads a staged step into the graph attention's static buffers, once the staging is sent."""
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -129,8 +134,11 @@ def capture_stream(device: torch.device) -> Any:
 class GraphAttention(Protocol):
     """Attention of a graphed decode step: static metadata, planned outside the graph."""
 
-    def plan(self, size: int, seq_lens: IntArray, block_tables: IntArray) -> None:
-        """Load a padded step (``size`` rows) into the static buffers; never captured."""
+    def stage(
+        self, size: int, seq_lens: IntArray, block_tables: IntArray, staging: HostStaging
+    ) -> Plan:
+        """Stage a padded step (``size`` rows); the result loads it into the static buffers
+        once the staging is sent (never captured)."""
         ...
 
     def metadata(self, size: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
@@ -156,12 +164,19 @@ class TorchGraphAttention:
         self.rows = torch.arange(max_batch_size + 1, dtype=torch.int64, device=device)
         self.key_positions = torch.arange(max_blocks * block_size, device=device)
 
-    def plan(self, size: int, seq_lens: IntArray, block_tables: IntArray) -> None:
+    def stage(
+        self, size: int, seq_lens: IntArray, block_tables: IntArray, staging: HostStaging
+    ) -> Plan:
         """See :class:`GraphAttention`."""
         width = block_tables.shape[1]
-        # NOTE: columns past ``width`` keep older block ids: valid indices, masked out.
-        self.seq_lens[:size].copy_(torch.from_numpy(seq_lens), non_blocking=True)
-        self.block_tables[:size, :width].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        lens, tables = staging.add(seq_lens, np.int64), staging.add(block_tables, np.int64)
+
+        def plan() -> None:
+            # NOTE: columns past ``width`` keep older block ids: valid indices, masked out.
+            self.seq_lens[:size].copy_(lens.get(), non_blocking=True)
+            self.block_tables[:size, :width].copy_(tables.get(), non_blocking=True)
+
+        return plan
 
     def metadata(self, size: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
         """See :class:`GraphAttention`."""
@@ -221,22 +236,28 @@ class FlashInferGraphAttention:
         }
         self._planned: torch.cuda.Event | None = None
 
-    def plan(self, size: int, seq_lens: IntArray, block_tables: IntArray) -> None:
+    def stage(
+        self, size: int, seq_lens: IntArray, block_tables: IntArray, staging: HostStaging
+    ) -> Plan:
         """See :class:`GraphAttention`."""
+        query_start_loc = np.arange(size + 1, dtype=np.int64)
+        lens = staging.add(seq_lens, np.int64)
+        packed = staging.add(
+            pack_page_table(query_start_loc, seq_lens, block_tables, self.block_size), np.int32
+        )
+        return functools.partial(self._plan, size, lens, packed)
+
+    def _plan(self, size: int, lens: StagedColumn, packed: StagedColumn) -> None:
         # NOTE: plan() stages through a pinned host buffer with an async copy: with a step
         # in flight, the copy of the previous plan must land before that buffer is rewritten.
         if self._planned is not None:
             self._planned.synchronize()
-        query_start_loc = np.arange(size + 1, dtype=np.int64)
-        self.seq_lens[:size].copy_(torch.from_numpy(seq_lens), non_blocking=True)
-        packed = torch.from_numpy(
-            pack_page_table(query_start_loc, seq_lens, block_tables, self.block_size)
-        )
-        host = PageTableArrays.unpack(packed, size)
-        # NOTE: the page ids go to the device first: in CUDA-graph mode FlashInfer copies
-        # host-side ids into its static buffer with a blocking copy, which would wait for
-        # the step in flight (indptr and last-page lengths it copies without blocking).
-        on_device = PageTableArrays.unpack(packed.to(self.indices.device, non_blocking=True), size)
+        self.seq_lens[:size].copy_(lens.get(), non_blocking=True)
+        host = PageTableArrays.unpack(packed.host(), size)
+        # NOTE: the page ids are read on the device (already there: a device-to-device copy
+        # into the static buffer); indptr and last-page lengths FlashInfer copies from our
+        # pinned host views without blocking.
+        on_device = PageTableArrays.unpack(packed.get(), size)
         b = self.backend
         self.wrappers[size].plan(
             host.kv_indptr,
@@ -291,6 +312,18 @@ def make_graph_attention(
         sizes = capture_sizes(max_batch_size)
         return FlashInferGraphAttention(backend, sizes, max_blocks, block_size, device), sizes
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class GraphStep:
+    """A decode step staged for the static buffers: ``num_rows`` real rows of ``size``."""
+
+    num_rows: int
+    size: int
+    input_ids: StagedColumn
+    positions: StagedColumn
+    slot_mapping: StagedColumn
+    plan: Plan
 
 
 class DecodeGraphs:
@@ -361,42 +394,66 @@ class DecodeGraphs:
     def _load_padding(self, size: int) -> None:
         """Every row a padding row: one key on the scratch block."""
         ids = np.zeros(size, dtype=np.int64)
-        self._load(size, ids, ids, np.full(size, self.scratch_block * self.block_size))
-        self.attention.plan(size, ids + 1, np.full((size, 1), self.scratch_block))
+        staging = HostStaging(self.device)
+        step = self._stage_rows(
+            size,
+            size,
+            (ids, ids, np.full(size, self.scratch_block * self.block_size)),
+            ids + 1,
+            np.full((size, 1), self.scratch_block),
+            staging,
+        )
+        staging.send()
+        self._load(step, None)
 
     # -- a step ----------------------------------------------------------------------
 
-    def run(self, inputs: StepInputs, fill_pending: FillPending) -> torch.Tensor:
-        """Run a step :meth:`can_replay` accepted; return logits ``[rows, V]`` of every row.
+    def stage(self, inputs: StepInputs, staging: HostStaging) -> GraphStep:
+        """Stage a step :meth:`can_replay` accepted, padded to its captured size."""
+        n = len(inputs.seq_lens)
+        size = self.padded_size(n)
+        pad = size - n
+        tables = np.full((size, max(inputs.block_tables.shape[1], 1)), self.scratch_block)
+        tables[:n, : inputs.block_tables.shape[1]] = inputs.block_tables
+        rows = (
+            _padded(inputs.input_ids, pad, 0),
+            _padded(inputs.positions, pad, 0),
+            _padded(inputs.slot_mapping, pad, self.scratch_block * self.block_size),
+        )
+        return self._stage_rows(n, size, rows, _padded(inputs.seq_lens, pad, 1), tables, staging)
+
+    def _stage_rows(
+        self,
+        n: int,
+        size: int,
+        rows: tuple[IntArray, IntArray, IntArray],
+        seq_lens: IntArray,
+        tables: IntArray,
+        staging: HostStaging,
+    ) -> GraphStep:
+        ids, positions, slots = (staging.add(a, np.int64) for a in rows)
+        plan = self.attention.stage(size, seq_lens, tables, staging)
+        return GraphStep(n, size, ids, positions, slots, plan)
+
+    def run(self, step: GraphStep, fill_pending: FillPending | None) -> torch.Tensor:
+        """Run a staged step (its staging sent); return logits ``[rows, V]`` of every row.
 
         The returned tensor is a view of the static :attr:`logits`: read it before the next
         :meth:`run` (sampling, enqueued on the same stream, does).
         """
-        n = len(inputs.seq_lens)
-        size = self.padded_size(n)
-        pad = size - n
-        scratch_slot = self.scratch_block * self.block_size
-        self._load(
-            size,
-            _padded(inputs.input_ids, pad, 0),
-            _padded(inputs.positions, pad, 0),
-            _padded(inputs.slot_mapping, pad, scratch_slot),
-        )
-        if len(inputs.pending_tokens):
-            fill_pending(self.input_ids, inputs)
-        tables = np.full((size, max(inputs.block_tables.shape[1], 1)), self.scratch_block)
-        tables[:n, : inputs.block_tables.shape[1]] = inputs.block_tables
-        self.attention.plan(size, _padded(inputs.seq_lens, pad, 1), tables)
-        self._graphs[size]()
-        return self.logits[:n]
+        self._load(step, fill_pending)
+        self._graphs[step.size]()
+        return self.logits[: step.num_rows]
 
-    def _load(self, size: int, ids: IntArray, positions: IntArray, slots: IntArray) -> None:
-        for static, host in (
-            (self.input_ids, ids),
-            (self.positions, positions),
-            (self.slot_mapping, slots),
-        ):
-            static[:size].copy_(torch.from_numpy(np.ascontiguousarray(host)), non_blocking=True)
+    def _load(self, step: GraphStep, fill_pending: FillPending | None) -> None:
+        """Copy a sent step into the static buffers (device to device) and plan attention."""
+        size = step.size
+        self.input_ids[:size].copy_(step.input_ids.get(), non_blocking=True)
+        self.positions[:size].copy_(step.positions.get(), non_blocking=True)
+        self.slot_mapping[:size].copy_(step.slot_mapping.get(), non_blocking=True)
+        if fill_pending is not None:
+            fill_pending(self.input_ids)
+        step.plan()
 
     def _step(self, size: int) -> None:
         """The captured step: forward ``size`` rows, logits into the shared output."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from inlinelm.gpu.staging import copy_to_device
 from inlinelm.structured.matcher import GrammarMatcher
 
 _BITS = 32
@@ -49,17 +50,20 @@ class GrammarMasks:
         self._turn = 0
         self._executor: Any = None
 
-    def apply(self, logits: torch.Tensor, grammars: list[tuple[int, GrammarMatcher]]) -> None:
-        """Mask row ``i`` of ``logits`` with the next-token mask of each ``(i, matcher)``."""
-        words = -(-grammars[0][1].vocab_size // _BITS)
-        host = self._next_buffer(words)[: len(grammars)]
-        self._fill(host, [m for _, m in grammars])
-        mask = host.to(self.device, non_blocking=True)
-        rows = [i for i, _ in grammars]
-        if len(rows) == logits.shape[0]:
-            apply_token_bitmask(logits, mask)  # NOTE: rows are in order: all of them
+    def apply(
+        self, logits: torch.Tensor, matchers: list[GrammarMatcher], rows: torch.Tensor | None
+    ) -> None:
+        """Mask the rows ``rows`` (on the device; None: every row, in order) of ``logits``
+        with the next-token mask of the matchers, one matcher per row."""
+        words = -(-matchers[0].vocab_size // _BITS)
+        host = self._next_buffer(words)[: len(matchers)]
+        self._fill(host, matchers)
+        mask = copy_to_device(host, self.device)
+        if rows is None:
+            assert len(matchers) == logits.shape[0]
+            apply_token_bitmask(logits, mask)
             return
-        index = torch.tensor(rows, device=self.device)
+        index = rows
         selected = logits.index_select(0, index)
         apply_token_bitmask(selected, mask)
         logits.index_copy_(0, index, selected)

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from inlinelm.gpu.cuda_graphs import (
     CudaGraphCapture,
     DecodeGraphs,
     EagerCapture,
+    FillPending,
     make_graph_attention,
 )
 from inlinelm.gpu.grammar_mask import GrammarMasks
@@ -43,6 +45,7 @@ from inlinelm.gpu.sampler import (
     to_token_logprobs,
 )
 from inlinelm.gpu.sampling_metadata import SamplingMetadata
+from inlinelm.gpu.staging import HostStaging, StagedColumn, send_one
 from inlinelm.gpu.step_output import StepInFlight, start_host_copy
 from inlinelm.gpu.weights import load_model
 from inlinelm.sampling_params import SamplingParams
@@ -267,7 +270,8 @@ class ModelRunner:
         the sampled ids to the host. Returns without waiting for the device.
 
         A decode whose input token is sampled by a step still in flight reads it on the
-        device, from the last token sampled in its row.
+        device, from the last token sampled in its row. Everything the host sends for the
+        step goes in one non-blocking copy (:class:`~inlinelm.gpu.staging.HostStaging`).
         """
         self._prepare_thread()
         self._ensure_graphs()
@@ -275,12 +279,16 @@ class ModelRunner:
         for request_id in batch.removed_ids:
             self.batch.remove(request_id)
         rows, num_scheduled, starts, samples = self._sync_rows(batch)
-        # 2) build the flat inputs and run the model on the rows that sample
+        # 2) build the flat inputs and stage them with the sampling settings; one copy
         inputs = self.batch.prepare(rows, num_scheduled, starts, samples)
+        staging = HostStaging(self.device)
+        forward = self._stage_forward(inputs, staging)
+        sample = self._stage_sample(batch, inputs, staging)
+        staging.send()
+        # 3) run the model on the rows that sample, sample on the device; the ids start on
+        # their way to the host
         self._set_threads()
-        logits = self._forward(inputs)
-        # 3) sample on the device; the ids start on their way to the host
-        self._in_flight.append(self._sample(batch, inputs, logits))
+        self._in_flight.append(sample(forward()))
 
     def collect(self) -> ModelRunnerOutput:
         """Wait for the oldest submitted step; return its tokens and record them in the
@@ -322,8 +330,8 @@ class ModelRunner:
         new = n - start
         meta = AttentionMetadata(
             slot_mapping=torch.arange(start, n, device=self.device),
-            query_start_loc=torch.tensor([0, new], device=self.device),
-            seq_lens=torch.tensor([n], device=self.device),
+            query_start_loc=send_one([0, new], np.int64, self.device),
+            seq_lens=send_one([n], np.int64, self.device),
             block_tables=torch.arange(-(-n // self.config.block_size), device=self.device)[None],
             max_query_len=new,
             max_seq_len=n,
@@ -360,109 +368,116 @@ class ModelRunner:
             )
         return rows, num_scheduled, starts, samples
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits ``[num sampling rows, V]``: a graph replay when it can, else eager."""
+    def _stage_forward(
+        self, inputs: StepInputs, staging: HostStaging
+    ) -> Callable[[], torch.Tensor]:
+        """Stage a step's model inputs; the result runs the forward once they are sent and
+        returns logits ``[num sampling rows, V]``: a graph replay when it can, else eager."""
+        fill = self._stage_pending(inputs, staging)
         if self.graphs is not None and self.graphs.can_replay(inputs):
-            logits = self.graphs.run(inputs, self._fill_pending)
+            graphs, step = self.graphs, self.graphs.stage(inputs, staging)
             if len(inputs.sampling_rows) == len(inputs.seq_lens):
-                return logits
-            return logits[self._to_device(inputs.sampling_positions)]
-        return self._forward_eager(inputs)
+                return lambda: graphs.run(step, fill)
+            positions = staging.add(inputs.sampling_positions, np.int64)
+            return lambda: graphs.run(step, fill)[positions.get()]
+        return self._stage_eager(inputs, staging, fill)
 
-    def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
-        to = self._to_device
-        meta = AttentionMetadata(
-            slot_mapping=to(inputs.slot_mapping),
-            query_start_loc=to(inputs.query_start_loc),
-            seq_lens=to(inputs.seq_lens),
-            block_tables=to(inputs.block_tables),
-            max_query_len=inputs.max_query_len,
-            max_seq_len=inputs.max_seq_len,
-            host_query_start_loc=inputs.query_start_loc,
-            host_seq_lens=inputs.seq_lens,
-            host_block_tables=inputs.block_tables,
-        )
-        self.backend.prepare(meta, self.config.block_size)
-        input_ids = to(inputs.input_ids)
-        if len(inputs.pending_tokens):
-            self._fill_pending(input_ids, inputs)
-        logits: torch.Tensor = self.model(
-            input_ids,
-            to(inputs.positions),
-            self.kv_caches,
-            meta,
-            to(inputs.logits_indices),
-        )
-        return logits
+    def _stage_eager(
+        self, inputs: StepInputs, staging: HostStaging, fill: FillPending | None
+    ) -> Callable[[], torch.Tensor]:
+        add = staging.add
+        slots, starts = add(inputs.slot_mapping, np.int64), add(inputs.query_start_loc, np.int64)
+        seq_lens, tables = add(inputs.seq_lens, np.int64), add(inputs.block_tables, np.int64)
+        ids, positions = add(inputs.input_ids, np.int64), add(inputs.positions, np.int64)
+        logits_indices = add(inputs.logits_indices, np.int64)
 
-    def _fill_pending(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
-        """Write the tokens sampled by steps in flight into ``input_ids``, on the device."""
-        rows = self._to_device(inputs.pending_rows)
-        input_ids.index_copy_(
-            0, self._to_device(inputs.pending_tokens), self._last_sampled.index_select(0, rows)
-        )
+        def forward() -> torch.Tensor:
+            meta = AttentionMetadata(
+                slot_mapping=slots.get(),
+                query_start_loc=starts.get(),
+                seq_lens=seq_lens.get(),
+                block_tables=tables.get(),
+                max_query_len=inputs.max_query_len,
+                max_seq_len=inputs.max_seq_len,
+                host_query_start_loc=inputs.query_start_loc,
+                host_seq_lens=inputs.seq_lens,
+                host_block_tables=inputs.block_tables,
+            )
+            self.backend.prepare(meta, self.config.block_size)
+            input_ids = ids.get()
+            if fill is not None:
+                fill(input_ids)
+            logits: torch.Tensor = self.model(
+                input_ids, positions.get(), self.kv_caches, meta, logits_indices.get()
+            )
+            return logits
 
-    def _to_device(self, array: IntArray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        return forward
 
-    def _sample(
-        self, batch: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
-    ) -> StepInFlight:
+    def _stage_pending(self, inputs: StepInputs, staging: HostStaging) -> FillPending | None:
+        """What writes the tokens sampled by steps in flight into ``input_ids`` (on the
+        device), or None when the host knows every input token."""
+        if not len(inputs.pending_tokens):
+            return None
+        rows = staging.add(inputs.pending_rows, np.int64)
+        tokens = staging.add(inputs.pending_tokens, np.int64)
+
+        def fill(input_ids: torch.Tensor) -> None:
+            input_ids.index_copy_(0, tokens.get(), self._last_sampled.index_select(0, rows.get()))
+
+        return fill
+
+    def _stage_sample(
+        self, batch: SchedulerOutput, inputs: StepInputs, staging: HostStaging
+    ) -> Callable[[torch.Tensor], StepInFlight]:
+        """Stage the sampling of a step; the result samples its logits once sent."""
         requests = [batch.scheduled[int(i)].request for i in inputs.sampling_positions]
         if not requests:
-            return StepInFlight([], inputs.sampling_rows, torch.empty(0, dtype=torch.int64))
-        meta = SamplingMetadata.build(
+            empty = StepInFlight([], inputs.sampling_rows, torch.empty(0, dtype=torch.int64))
+            return lambda logits: empty
+        pending = SamplingMetadata.stage(
             [r.params for r in requests],
             [r.prompt_token_ids for r in requests],
             [r.output_token_ids for r in requests],
             [self.batch.generators[int(row)] for row in inputs.sampling_rows],
             vocab_size=self.model_config.vocab_size,
-            device=self.device,
+            staging=staging,
         )
-        if not meta.no_penalties:
-            self._count_tokens_in_flight(meta, requests, inputs.sampling_rows)
-        self._suppress_early_stops(logits, requests)
+        behind = None
+        if pending.repetition is not None or pending.occurrence is not None:
+            behind = _stage_tokens_in_flight(requests, inputs.sampling_rows, staging)
+        banned = _stage_early_stops(requests, staging)
         grammars = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
-        if grammars:
-            # NOTE: the scheduler never samples a constrained row while an earlier sample of
-            # it is in flight, so its matcher has consumed every token before this one.
-            self._grammar_masks.apply(logits, grammars)
-        out = self.sampler(logits, meta)
-        sampled = out.sampled.long()
-        self._last_sampled.index_copy_(0, self._to_device(inputs.sampling_rows), sampled)
-        return start_host_copy(
-            requests, inputs.sampling_rows, sampled, out.logprobs, meta.num_logprobs
-        )
+        grammar_rows = None
+        if grammars and len(grammars) != len(requests):
+            grammar_rows = staging.add([i for i, _ in grammars], np.int64)
+        rows = staging.add(inputs.sampling_rows, np.int64)
 
-    def _count_tokens_in_flight(
-        self, meta: SamplingMetadata, requests: list[Request], rows: IntArray
-    ) -> None:
-        """Penalties count a token a step in flight sampled (the host does not know it yet)."""
-        behind = [i for i, r in enumerate(requests) if r.num_pending_samples > 1]
-        if behind:
-            device_rows = self._to_device(rows[behind])
-            meta.count_tokens(
-                torch.tensor(behind, device=self.device),
-                self._last_sampled.index_select(0, device_rows),
+        def sample(logits: torch.Tensor) -> StepInFlight:
+            meta = pending.finish()
+            if behind is not None:
+                # Penalties count a token a step in flight sampled (the host does not know it).
+                positions, batch_rows = behind
+                meta.count_tokens(
+                    positions.get(), self._last_sampled.index_select(0, batch_rows.get())
+                )
+            if banned is not None:
+                logits.index_put_(
+                    (banned[0].get(), banned[1].get()), logits.new_full((), float("-inf"))
+                )
+            if grammars:
+                # NOTE: the scheduler never samples a constrained row while an earlier sample
+                # of it is in flight, so its matcher has consumed every token before this one.
+                index = None if grammar_rows is None else grammar_rows.get()
+                self._grammar_masks.apply(logits, [m for _, m in grammars], index)
+            out = self.sampler(logits, meta)
+            sampled = out.sampled.long()
+            self._last_sampled.index_copy_(0, rows.get(), sampled)
+            return start_host_copy(
+                requests, inputs.sampling_rows, sampled, out.logprobs, meta.num_logprobs
             )
 
-    def _suppress_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        """Ban EOS and stop tokens for rows that have not reached ``min_tokens`` yet.
-
-        Outputs sampled by steps in flight count: ``num_pending_samples`` includes them and
-        this step's own sample. A row with a grammar is left alone: its grammar decides when
-        the output may end (banning the EOS a complete output needs would leave no token).
-        """
-        for i, request in enumerate(requests):
-            if request.grammar is not None:
-                continue
-            params = request.params
-            num_before = len(request.output_token_ids) + request.num_pending_samples - 1
-            if params.min_tokens and num_before < params.min_tokens:
-                banned = list(params.stop_token_ids)
-                if request.eos_token_id is not None and not params.ignore_eos:
-                    banned.append(request.eos_token_id)
-                logits[i, banned] = float("-inf")
+        return sample
 
     # -- decode graphs -----------------------------------------------------------------
 
@@ -546,6 +561,43 @@ def _close_part(part: object) -> None:
     close = getattr(part, "close", None)
     if callable(close):
         close()
+
+
+def _stage_tokens_in_flight(
+    requests: list[Request], rows: IntArray, staging: HostStaging
+) -> tuple[StagedColumn, StagedColumn] | None:
+    """The sampling positions (and their batch rows) whose last token is still in flight."""
+    behind = [i for i, r in enumerate(requests) if r.num_pending_samples > 1]
+    if not behind:
+        return None
+    return staging.add(behind, np.int64), staging.add(rows[behind], np.int64)
+
+
+def _stage_early_stops(
+    requests: list[Request], staging: HostStaging
+) -> tuple[StagedColumn, StagedColumn] | None:
+    """(row, token) pairs of the EOS and stop tokens banned for rows short of ``min_tokens``.
+
+    Outputs sampled by steps in flight count: ``num_pending_samples`` includes them and this
+    step's own sample. A row with a grammar is left alone: its grammar decides when the
+    output may end (banning the EOS a complete output needs would leave no token).
+    """
+    rows: list[int] = []
+    tokens: list[int] = []
+    for i, request in enumerate(requests):
+        params = request.params
+        if request.grammar is not None or not params.min_tokens:
+            continue
+        if len(request.output_token_ids) + request.num_pending_samples - 1 >= params.min_tokens:
+            continue
+        banned = list(params.stop_token_ids)
+        if request.eos_token_id is not None and not params.ignore_eos:
+            banned.append(request.eos_token_id)
+        rows += [i] * len(banned)
+        tokens += banned
+    if not rows:
+        return None
+    return staging.add(rows, np.int64), staging.add(tokens, np.int64)
 
 
 def runner_device(name: str) -> torch.device:

@@ -23,6 +23,7 @@ import numpy.typing as npt
 import torch
 
 from inlinelm.gpu.attention import AttentionMetadata
+from inlinelm.gpu.staging import copy_to_device
 
 IntArray = npt.NDArray[np.int64]
 
@@ -93,7 +94,7 @@ def build_page_table(
     packed = torch.from_numpy(pack_page_table(query_start_loc, seq_lens, block_tables, page_size))
     # NOTE: from pageable memory a non-blocking copy returns once the bytes are staged, so
     # the numpy buffer may go away as soon as this returns. On the CPU it is no copy at all.
-    on_device = packed.to(device, non_blocking=True)
+    on_device = copy_to_device(packed, device)
     batch_size = len(seq_lens)
     return PageTable(
         page_size=page_size,

@@ -256,7 +256,8 @@ def _sample_random(
     if not generators:
         return sampled
     rows = sorted(generators)
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    index = meta.seeded_rows
+    assert index is not None
     seeded = _sample_torch(
         logits[index],
         None if meta.top_k is None else meta.top_k[index],

@@ -1,9 +1,11 @@
 """One step's sampling settings as device tensors, one row per sequence in the batch.
 
-:meth:`SamplingMetadata.build` turns the per-request :class:`~inlinelm.sampling_params.SamplingParams`
-into the tensors :class:`~inlinelm.gpu.sampler.Sampler` needs, and leaves out (``None``) every
-tensor no row uses, so a batch without penalties never allocates a ``[B, V]`` count table and an
-all-greedy batch reduces to one ``argmax``.
+:meth:`SamplingMetadata.stage` turns the per-request :class:`~inlinelm.sampling_params.SamplingParams`
+into host columns of the step's :class:`~inlinelm.gpu.staging.HostStaging` (no copy of its
+own: the step sends everything at once), and :meth:`PendingSampling.finish` into the tensors
+:class:`~inlinelm.gpu.sampler.Sampler` needs once they are on the device. Every tensor no row
+uses is left out (``None``), so a batch without penalties never allocates a ``[B, V]`` count
+table and an all-greedy batch reduces to one ``argmax``.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from inlinelm.gpu.staging import HostStaging, StagedColumn
 from inlinelm.sampling_params import SamplingParams
 
 
@@ -79,6 +83,8 @@ class SamplingMetadata:
     min_p: torch.Tensor | None
     # Row index -> the request's own generator, for seeded random rows only.
     generators: dict[int, torch.Generator]
+    # [S] int64, the keys of ``generators`` in order; None when there are none.
+    seeded_rows: torch.Tensor | None
     repetition: RepetitionPenalty | None
     occurrence: OccurrencePenalty | None
     logit_bias: LogitBias | None
@@ -129,84 +135,170 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
     ) -> SamplingMetadata:
-        """Build the metadata for one step; all sequences are indexed by batch row.
+        """:meth:`stage` and :meth:`PendingSampling.finish` with a copy of its own (for
+        callers outside the step path: profiling, tests)."""
+        staging = HostStaging(device)
+        pending = cls.stage(
+            params, prompt_token_ids, output_token_ids, generators, vocab_size, staging
+        )
+        staging.send()
+        return pending.finish()
 
-        ``generators[i]`` is row ``i``'s own generator (on ``device``) when its request has a
-        seed, else ``None``; it is only drawn from while the row samples randomly. Token ids
-        lie in ``[0, vocab_size)``: admission checked them (``Admission.check_token_ids``).
+    @staticmethod
+    def stage(
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        vocab_size: int,
+        staging: HostStaging,
+    ) -> PendingSampling:
+        """Stage the metadata of one step; all sequences are indexed by batch row.
+
+        ``generators[i]`` is row ``i``'s own generator (on the device) when its request has
+        a seed, else ``None``; it is only drawn from while the row samples randomly. Token
+        ids lie in ``[0, vocab_size)``: admission checked them
+        (``Admission.check_token_ids``).
         """
         assert len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators)
         greedy = [p.greedy for p in params]
-        builder = _Columns(params, greedy, device)
+        builder = _Columns(params, greedy, staging)
         num_logprobs = [p.logprobs for p in params]
         wanted = [n for n in num_logprobs if n is not None]
         top_k, max_top_k = builder.top_k(vocab_size)
-        return cls(
+        seeded = {i: g for i, g in enumerate(generators) if g is not None and not greedy[i]}
+        return PendingSampling(
             num_rows=len(params),
             vocab_size=vocab_size,
             all_greedy=all(greedy),
             all_random=not any(greedy),
-            greedy_mask=_greedy_mask(greedy, device),
+            greedy_mask=None if all(greedy) or not any(greedy) else staging.add(greedy, np.bool_),
             temperature=builder.column(lambda p: p.temperature, 1.0),
             top_k=top_k,
             max_top_k=max_top_k,
             top_p=builder.column(lambda p: p.top_p, 1.0),
             min_p=builder.column(lambda p: p.min_p, 0.0),
-            generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
-            repetition=_repetition(params, prompt_token_ids, output_token_ids, vocab_size, device),
-            occurrence=_occurrence(params, output_token_ids, vocab_size, device),
-            logit_bias=_logit_bias(params, device),
+            generators=seeded,
+            seeded_rows=staging.add(sorted(seeded), np.int64) if seeded else None,
+            repetition=_stage_repetition(params, prompt_token_ids, output_token_ids, staging),
+            occurrence=_stage_occurrence(params, output_token_ids, staging),
+            logit_bias=_stage_logit_bias(params, staging),
             num_logprobs=num_logprobs,
             max_num_logprobs=max(wanted) if wanted else None,
         )
 
 
+@dataclass(slots=True)
+class PendingSampling:
+    """A step's :class:`SamplingMetadata` whose columns are staged, not yet on the device."""
+
+    num_rows: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: StagedColumn | None
+    temperature: StagedColumn | None
+    top_k: StagedColumn | None
+    max_top_k: int
+    top_p: StagedColumn | None
+    min_p: StagedColumn | None
+    generators: dict[int, torch.Generator]
+    seeded_rows: StagedColumn | None
+    # (penalty [B], rows [N], token ids [N]) of every seen prompt and output token
+    repetition: tuple[StagedColumn, StagedColumn, StagedColumn] | None
+    # (presence [B], frequency [B], rows [N], token ids [N]) of every output token
+    occurrence: tuple[StagedColumn, StagedColumn, StagedColumn, StagedColumn] | None
+    logit_bias: tuple[StagedColumn, StagedColumn, StagedColumn] | None
+    num_logprobs: list[int | None]
+    max_num_logprobs: int | None
+
+    def finish(self) -> SamplingMetadata:
+        """The metadata on the device, once the staging was sent (device work only)."""
+        return SamplingMetadata(
+            num_rows=self.num_rows,
+            vocab_size=self.vocab_size,
+            all_greedy=self.all_greedy,
+            all_random=self.all_random,
+            greedy_mask=_get(self.greedy_mask),
+            temperature=_get(self.temperature),
+            top_k=_get(self.top_k),
+            max_top_k=self.max_top_k,
+            top_p=_get(self.top_p),
+            min_p=_get(self.min_p),
+            generators=self.generators,
+            seeded_rows=_get(self.seeded_rows),
+            repetition=self._repetition(),
+            occurrence=self._occurrence(),
+            logit_bias=None
+            if self.logit_bias is None
+            else LogitBias(*(c.get() for c in self.logit_bias)),
+            num_logprobs=self.num_logprobs,
+            max_num_logprobs=self.max_num_logprobs,
+        )
+
+    def _repetition(self) -> RepetitionPenalty | None:
+        if self.repetition is None:
+            return None
+        penalty, rows, ids = (c.get() for c in self.repetition)
+        seen = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=penalty.device)
+        seen[rows, ids] = True
+        return RepetitionPenalty(penalty, seen)
+
+    def _occurrence(self) -> OccurrencePenalty | None:
+        if self.occurrence is None:
+            return None
+        presence, frequency, rows, ids = (c.get() for c in self.occurrence)
+        counts = torch.zeros(
+            self.num_rows, self.vocab_size, dtype=torch.float32, device=presence.device
+        )
+        # NOTE: accumulating 1.0s is exact (counts < 2**24), so atomic ordering cannot change it.
+        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        return OccurrencePenalty(presence=presence, frequency=frequency, counts=counts)
+
+
+def _get(column: StagedColumn | None) -> torch.Tensor | None:
+    return None if column is None else column.get()
+
+
 class _Columns:
-    """Builds ``[B]`` columns of random-sampling settings, neutral for greedy rows."""
+    """Stages ``[B]`` columns of random-sampling settings, neutral for greedy rows."""
 
     def __init__(
-        self, params: Sequence[SamplingParams], greedy: list[bool], device: torch.device
+        self, params: Sequence[SamplingParams], greedy: list[bool], staging: HostStaging
     ) -> None:
         self.params = params
         self.greedy = greedy
-        self.device = device
+        self.staging = staging
 
     def column(
         self,
         value: Callable[[SamplingParams], float | int],
         neutral: float | int,
-        dtype: torch.dtype = torch.float32,
-    ) -> torch.Tensor | None:
+        dtype: type[np.generic] = np.float32,
+    ) -> StagedColumn | None:
         """The column of ``value(p)``, or ``None`` when every random row has the neutral value."""
         values = [neutral if g else value(p) for p, g in zip(self.params, self.greedy, strict=True)]
         if all(v == neutral for v in values):
             return None
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return self.staging.add(values, dtype)
 
-    def top_k(self, vocab_size: int) -> tuple[torch.Tensor | None, int]:
+    def top_k(self, vocab_size: int) -> tuple[StagedColumn | None, int]:
         """The top-k column (``vocab_size`` meaning off) and the largest k that is on."""
         column = self.column(
             lambda p: min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size,
             vocab_size,
-            torch.int64,
+            np.int64,
         )
         ks = [p.top_k for p, g in zip(self.params, self.greedy, strict=True) if not g]
         return column, max((k for k in ks if 0 < k < vocab_size), default=0)
 
 
-def _greedy_mask(greedy: list[bool], device: torch.device) -> torch.Tensor | None:
-    if all(greedy) or not any(greedy):
-        return None
-    return torch.tensor(greedy, dtype=torch.bool, device=device)
-
-
-def _repetition(
+def _stage_repetition(
     params: Sequence[SamplingParams],
     prompt_token_ids: Sequence[Sequence[int]],
     output_token_ids: Sequence[Sequence[int]],
-    vocab_size: int,
-    device: torch.device,
-) -> RepetitionPenalty | None:
+    staging: HostStaging,
+) -> tuple[StagedColumn, StagedColumn, StagedColumn] | None:
     used = [p.repetition_penalty != 1.0 for p in params]
     if not any(used):
         return None
@@ -214,56 +306,51 @@ def _repetition(
         itertools.chain(prompt, output) if u else ()
         for u, prompt, output in zip(used, prompt_token_ids, output_token_ids, strict=True)
     ]
-    rows, ids = _flat_index(tokens, device)
-    seen = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
-    seen[rows, ids] = True
-    return RepetitionPenalty(_floats([p.repetition_penalty for p in params], device), seen)
+    rows, ids = _flat_index(tokens, staging)
+    return staging.add([p.repetition_penalty for p in params], np.float32), rows, ids
 
 
-def _occurrence(
+def _stage_occurrence(
     params: Sequence[SamplingParams],
     output_token_ids: Sequence[Sequence[int]],
-    vocab_size: int,
-    device: torch.device,
-) -> OccurrencePenalty | None:
+    staging: HostStaging,
+) -> tuple[StagedColumn, StagedColumn, StagedColumn, StagedColumn] | None:
     used = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
     if not any(used):
         return None
     rows, ids = _flat_index(
-        [out if u else () for u, out in zip(used, output_token_ids, strict=True)], device
+        [out if u else () for u, out in zip(used, output_token_ids, strict=True)], staging
     )
-    counts = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
-    # NOTE: accumulating 1.0s is exact (counts < 2**24), so atomic ordering cannot change it.
-    counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
-    return OccurrencePenalty(
-        presence=_floats([p.presence_penalty for p in params], device),
-        frequency=_floats([p.frequency_penalty for p in params], device),
-        counts=counts,
+    return (
+        staging.add([p.presence_penalty for p in params], np.float32),
+        staging.add([p.frequency_penalty for p in params], np.float32),
+        rows,
+        ids,
     )
 
 
-def _logit_bias(params: Sequence[SamplingParams], device: torch.device) -> LogitBias | None:
+def _stage_logit_bias(
+    params: Sequence[SamplingParams], staging: HostStaging
+) -> tuple[StagedColumn, StagedColumn, StagedColumn] | None:
     entries = [(i, t, v) for i, p in enumerate(params) for t, v in p.logit_bias.items()]
     if not entries:
         return None
     rows, ids, values = zip(*entries, strict=True)
-    return LogitBias(
-        rows=torch.tensor(rows, dtype=torch.int64, device=device),
-        token_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        values=torch.tensor(values, dtype=torch.float32, device=device),
+    return (
+        staging.add(rows, np.int64),
+        staging.add(ids, np.int64),
+        staging.add(values, np.float32),
     )
 
 
 def _flat_index(
-    token_lists: Sequence[Sequence[int] | itertools.chain[int]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token id) pairs for every token of every row, as two ``[N]`` int64 tensors."""
+    token_lists: Sequence[Sequence[int] | itertools.chain[int]], staging: HostStaging
+) -> tuple[StagedColumn, StagedColumn]:
+    """(row, token id) pairs for every token of every row, as two staged ``[N]`` int64 columns."""
     lists = [list(tokens) for tokens in token_lists]
-    lengths = torch.tensor([len(t) for t in lists], dtype=torch.int64, device=device)
-    ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(lists), device=device), lengths)
-    return rows, ids
-
-
-def _floats(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    lengths = np.array([len(t) for t in lists], dtype=np.int64)
+    ids = np.fromiter(
+        itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lengths.sum())
+    )
+    rows = np.repeat(np.arange(len(lists), dtype=np.int64), lengths)
+    return staging.add(rows, np.int64), staging.add(ids, np.int64)

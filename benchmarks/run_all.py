@@ -25,6 +25,7 @@ BENCHMARKS: list[tuple[str, str, list[str], int]] = [
     ("interference", "interference.py", [], 150),
     ("detok", "detok.py", [], 90),
     ("prompt_stall", "prompt_stall.py", [], 120),
+    ("host_step", "host_step.py", [], 150),
     ("e2e_cpu", "e2e_cpu.py", [], 480),
     ("ray_scale", "ray_scale.py", [], 300),
 ]
@@ -62,6 +63,16 @@ def summary(name: str, data: dict) -> str:
             f"1 MB prompt: others' largest gap {rows['completion']['on_loop_ms']:.0f} ms on the loop, "
             f"{rows['completion']['off_loop_ms']:.0f} ms off it (floor {data['floor_ms']:.0f} ms; "
             f"chat {rows['chat']['on_loop_ms']:.0f} → {rows['chat']['off_loop_ms']:.0f} ms)"
+        )
+    if name == "host_step":
+        rows = [r for r in data["rows"] if r["batch"] == max(r["batch"] for r in data["rows"])]
+        return (
+            "; ".join(
+                f"B={r['batch']} {r['mode']}: {r['new_ms']:.2f} ms host per step, "
+                f"{r['ratio']:.2f}x of {data['base']}"
+                for r in rows
+            )
+            + " (targets: <= 0.5x, <= 0.5 ms sampled)"
         )
     if name == "ray_scale":
         tight = {r["routing"]: r for r in data["routing"] if r["cache"] == "tight"}

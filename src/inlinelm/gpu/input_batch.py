@@ -3,7 +3,8 @@
 Rows are added when a request is first scheduled and removed when the scheduler says it
 finished, was aborted or was preempted; everything else is kept, so a decode step only
 appends one token and maybe one block id per row. Step inputs are built from these arrays
-with vectorised numpy, never a Python loop per token.
+with vectorised numpy, never a Python loop per token. Each row's sampling settings are
+written once, when it is added, into the numpy columns of :class:`SamplingColumns`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.request import Request
 
 IntArray = npt.NDArray[np.int64]
@@ -41,6 +43,45 @@ class StepInputs:
     pending_rows: IntArray
 
 
+class SamplingColumns:
+    """Per-row sampling settings as numpy columns (vLLM's persistent batch), one row per slot.
+
+    ``top_k`` is the request's own value (0 = off); a row's values are those of the request
+    that holds it, written by :meth:`write` when the row is added.
+    """
+
+    def __init__(self, max_num_reqs: int) -> None:
+        n = max_num_reqs
+        self.greedy = np.zeros(n, dtype=np.bool_)
+        self.temperature = np.ones(n, dtype=np.float32)
+        self.top_k = np.zeros(n, dtype=np.int64)
+        self.top_p = np.ones(n, dtype=np.float32)
+        self.min_p = np.zeros(n, dtype=np.float32)
+        self.repetition_penalty = np.ones(n, dtype=np.float32)
+        self.presence_penalty = np.zeros(n, dtype=np.float32)
+        self.frequency_penalty = np.zeros(n, dtype=np.float32)
+        # Whether the row uses each penalty (decided on the request's float values).
+        self.uses_repetition = np.zeros(n, dtype=np.bool_)
+        self.uses_occurrence = np.zeros(n, dtype=np.bool_)
+        self.params: list[SamplingParams | None] = [None] * n
+
+    def write(self, row: int, params: SamplingParams) -> None:
+        """Hold ``params`` in ``row``."""
+        self.greedy[row] = params.greedy
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.uses_repetition[row] = params.repetition_penalty != 1.0
+        self.uses_occurrence[row] = (
+            params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        )
+        self.params[row] = params
+
+
 class InputBatch:
     """Token ids and block tables of every live request, in preallocated arrays."""
 
@@ -53,6 +94,7 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.requests: list[Request | None] = [None] * max_num_reqs
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
+        self.sampling = SamplingColumns(max_num_reqs)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -68,6 +110,7 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.requests[row] = request
         self.generators[row] = generator
+        self.sampling.write(row, request.params)
         self.row_of[request.request_id] = row
         return row
 

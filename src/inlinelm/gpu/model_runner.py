@@ -19,6 +19,7 @@ from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.attention import AttentionMetadata
 from inlinelm.gpu.attention_backends import make_attention_backend, select_attention_backend
+from inlinelm.gpu.batch_sampling import BatchSampling
 from inlinelm.gpu.cuda_graphs import (
     CudaGraphCapture,
     DecodeGraphs,
@@ -148,6 +149,9 @@ class ModelRunner:
         self._last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self._in_flight: deque[StepInFlight] = deque()
         self._grammar_masks = GrammarMasks(config.max_num_seqs, self.device)
+        self._sampling = BatchSampling(
+            config.max_num_seqs, self.model_config.vocab_size, self.device
+        )
 
     def _profile_gpu_memory(self, free_at_start: int | None) -> GpuMemoryUse | None:
         """On CUDA without an explicit cache size: measure what the weights hold and the
@@ -359,6 +363,9 @@ class ModelRunner:
             row = self.batch.row_of.get(request.request_id)
             if row is None:
                 row = self.batch.add(request, _generator(request.params.seed, self.device))
+                self._sampling.add_row(
+                    row, request.params, request.prompt_token_ids, request.output_token_ids
+                )
             self.batch.sync_blocks(row, request.block_ids)
             rows[i], num_scheduled[i], starts[i], samples[i] = (
                 row,
@@ -435,17 +442,14 @@ class ModelRunner:
         if not requests:
             empty = StepInFlight([], inputs.sampling_rows, torch.empty(0, dtype=torch.int64))
             return lambda logits: empty
-        pending = SamplingMetadata.stage(
-            [r.params for r in requests],
-            [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests],
-            [self.batch.generators[int(row)] for row in inputs.sampling_rows],
-            vocab_size=self.model_config.vocab_size,
-            staging=staging,
+        generators = self.batch.generators
+        finish = self._sampling.stage(
+            requests,
+            inputs.sampling_rows,
+            self.batch.sampling,
+            [generators[row] for row in inputs.sampling_rows.tolist()],
+            staging,
         )
-        behind = None
-        if pending.repetition is not None or pending.occurrence is not None:
-            behind = _stage_tokens_in_flight(requests, inputs.sampling_rows, staging)
         banned = _stage_early_stops(requests, staging)
         grammars = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
         grammar_rows = None
@@ -454,13 +458,9 @@ class ModelRunner:
         rows = staging.add(inputs.sampling_rows, np.int64)
 
         def sample(logits: torch.Tensor) -> StepInFlight:
-            meta = pending.finish()
-            if behind is not None:
-                # Penalties count a token a step in flight sampled (the host does not know it).
-                positions, batch_rows = behind
-                meta.count_tokens(
-                    positions.get(), self._last_sampled.index_select(0, batch_rows.get())
-                )
+            # NOTE: the penalty tables already hold the tokens of steps in flight: each step
+            # records its samples into them on the device.
+            meta = finish()
             if banned is not None:
                 logits.index_put_(
                     (banned[0].get(), banned[1].get()), logits.new_full((), float("-inf"))
@@ -473,6 +473,7 @@ class ModelRunner:
             out = self.sampler(logits, meta)
             sampled = out.sampled.long()
             self._last_sampled.index_copy_(0, rows.get(), sampled)
+            self._sampling.tables.record(rows.get(), sampled)
             return start_host_copy(
                 requests, inputs.sampling_rows, sampled, out.logprobs, meta.num_logprobs
             )
@@ -561,16 +562,6 @@ def _close_part(part: object) -> None:
     close = getattr(part, "close", None)
     if callable(close):
         close()
-
-
-def _stage_tokens_in_flight(
-    requests: list[Request], rows: IntArray, staging: HostStaging
-) -> tuple[StagedColumn, StagedColumn] | None:
-    """The sampling positions (and their batch rows) whose last token is still in flight."""
-    behind = [i for i, r in enumerate(requests) if r.num_pending_samples > 1]
-    if not behind:
-        return None
-    return staging.add(behind, np.int64), staging.add(rows[behind], np.int64)
 
 
 def _stage_early_stops(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -180,9 +180,11 @@ class SamplingMetadata:
             min_p=builder.column(lambda p: p.min_p, 0.0),
             generators=seeded,
             seeded_rows=staging.add(sorted(seeded), np.int64) if seeded else None,
-            repetition=_stage_repetition(params, prompt_token_ids, output_token_ids, staging),
-            occurrence=_stage_occurrence(params, output_token_ids, staging),
-            logit_bias=_stage_logit_bias(params, staging),
+            repetition=_stage_repetition(
+                params, prompt_token_ids, output_token_ids, vocab_size, staging
+            ),
+            occurrence=_stage_occurrence(params, output_token_ids, vocab_size, staging),
+            logit_bias=stage_logit_bias(params, staging),
             num_logprobs=num_logprobs,
             max_num_logprobs=max(wanted) if wanted else None,
         )
@@ -204,10 +206,10 @@ class PendingSampling:
     min_p: StagedColumn | None
     generators: dict[int, torch.Generator]
     seeded_rows: StagedColumn | None
-    # (penalty [B], rows [N], token ids [N]) of every seen prompt and output token
-    repetition: tuple[StagedColumn, StagedColumn, StagedColumn] | None
-    # (presence [B], frequency [B], rows [N], token ids [N]) of every output token
-    occurrence: tuple[StagedColumn, StagedColumn, StagedColumn, StagedColumn] | None
+    # (penalty [B], what makes the [B, V] seen table on the device)
+    repetition: tuple[StagedColumn, TableSource] | None
+    # (presence [B], frequency [B], what makes the [B, V] count table on the device)
+    occurrence: tuple[StagedColumn, StagedColumn, TableSource] | None
     logit_bias: tuple[StagedColumn, StagedColumn, StagedColumn] | None
     num_logprobs: list[int | None]
     max_num_logprobs: int | None
@@ -236,24 +238,28 @@ class PendingSampling:
             max_num_logprobs=self.max_num_logprobs,
         )
 
+    def refresh(self, meta: SamplingMetadata) -> SamplingMetadata:
+        """``meta`` (this step's, finished before) with its penalty tables made anew: the
+        metadata of a later step with the same rows (device work only)."""
+        if meta.no_penalties:
+            return meta
+        return replace(meta, repetition=self._repetition(), occurrence=self._occurrence())
+
     def _repetition(self) -> RepetitionPenalty | None:
         if self.repetition is None:
             return None
-        penalty, rows, ids = (c.get() for c in self.repetition)
-        seen = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=penalty.device)
-        seen[rows, ids] = True
-        return RepetitionPenalty(penalty, seen)
+        penalty, table = self.repetition
+        return RepetitionPenalty(penalty.get(), table())
 
     def _occurrence(self) -> OccurrencePenalty | None:
         if self.occurrence is None:
             return None
-        presence, frequency, rows, ids = (c.get() for c in self.occurrence)
-        counts = torch.zeros(
-            self.num_rows, self.vocab_size, dtype=torch.float32, device=presence.device
-        )
-        # NOTE: accumulating 1.0s is exact (counts < 2**24), so atomic ordering cannot change it.
-        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
-        return OccurrencePenalty(presence=presence, frequency=frequency, counts=counts)
+        presence, frequency, table = self.occurrence
+        return OccurrencePenalty(presence=presence.get(), frequency=frequency.get(), counts=table())
+
+
+TableSource = Callable[[], torch.Tensor]
+"""Makes a ``[B, V]`` penalty table on the device, once the staging was sent."""
 
 
 def _get(column: StagedColumn | None) -> torch.Tensor | None:
@@ -297,8 +303,9 @@ def _stage_repetition(
     params: Sequence[SamplingParams],
     prompt_token_ids: Sequence[Sequence[int]],
     output_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
     staging: HostStaging,
-) -> tuple[StagedColumn, StagedColumn, StagedColumn] | None:
+) -> tuple[StagedColumn, TableSource] | None:
     used = [p.repetition_penalty != 1.0 for p in params]
     if not any(used):
         return None
@@ -307,31 +314,50 @@ def _stage_repetition(
         for u, prompt, output in zip(used, prompt_token_ids, output_token_ids, strict=True)
     ]
     rows, ids = _flat_index(tokens, staging)
-    return staging.add([p.repetition_penalty for p in params], np.float32), rows, ids
+    shape = (len(params), vocab_size)
+    return (
+        staging.add([p.repetition_penalty for p in params], np.float32),
+        lambda: _table(shape, rows.get(), ids.get(), torch.bool),
+    )
 
 
 def _stage_occurrence(
     params: Sequence[SamplingParams],
     output_token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
     staging: HostStaging,
-) -> tuple[StagedColumn, StagedColumn, StagedColumn, StagedColumn] | None:
+) -> tuple[StagedColumn, StagedColumn, TableSource] | None:
     used = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
     if not any(used):
         return None
     rows, ids = _flat_index(
         [out if u else () for u, out in zip(used, output_token_ids, strict=True)], staging
     )
+    shape = (len(params), vocab_size)
     return (
         staging.add([p.presence_penalty for p in params], np.float32),
         staging.add([p.frequency_penalty for p in params], np.float32),
-        rows,
-        ids,
+        lambda: _table(shape, rows.get(), ids.get(), torch.float32),
     )
 
 
-def _stage_logit_bias(
+def _table(
+    shape: tuple[int, int], rows: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """A ``[B, V]`` table of zeros with ``table[rows[j], ids[j]]`` set (bool) or counted."""
+    table = torch.zeros(shape, dtype=dtype, device=rows.device)
+    if dtype == torch.bool:
+        table[rows, ids] = True
+    else:
+        # NOTE: accumulating 1.0s is exact (counts < 2**24), so atomic ordering cannot change it.
+        table.index_put_((rows, ids), torch.ones_like(ids, dtype=dtype), accumulate=True)
+    return table
+
+
+def stage_logit_bias(
     params: Sequence[SamplingParams], staging: HostStaging
 ) -> tuple[StagedColumn, StagedColumn, StagedColumn] | None:
+    """(rows, token ids, values) of every row's logit bias, or None when no row has one."""
     entries = [(i, t, v) for i, p in enumerate(params) for t, v in p.logit_bias.items()]
     if not entries:
         return None

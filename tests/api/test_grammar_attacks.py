@@ -16,19 +16,17 @@ from inlinelm.api.protocol import MAX_JSON_DEPTH
 from inlinelm.tools import FunctionTool, forced_structure
 from tests.api.test_errors import JSON, USER, check_error
 from tests.structured.conftest import make_compiler
-from tests.structured.grammars import FAILS_LATER, gbnf_chain, lark_chain, optional_object
+from tests.structured.grammars import (
+    FAILS_LATER,
+    gbnf_chain,
+    lark_chain,
+    optional_object,
+    ref_chain_defs,
+)
 
 
 def ref_chain_tool(n: int) -> dict[str, Any]:
-    defs: dict[str, Any] = {
-        f"d{i}": {
-            "type": "object",
-            "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}},
-            "required": ["x"],
-        }
-        for i in range(n)
-    }
-    defs[f"d{n}"] = {"type": "string"}
+    defs = ref_chain_defs(n)
     parameters = {"type": "object", "properties": {"v": {"$ref": "#/$defs/d0"}}, "$defs": defs}
     return {"type": "function", "function": {"name": "deep", "parameters": parameters}}
 

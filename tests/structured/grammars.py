@@ -20,7 +20,8 @@ def gbnf_chain(n: int) -> StructuredOutput:
     return StructuredOutput.grammar(f'root ::= a0\n{rules}\na{n} ::= "x"\n')
 
 
-def ref_chain(n: int) -> StructuredOutput:
+def ref_chain_defs(n: int) -> dict[str, Any]:
+    """``$defs`` of ``n`` objects, each the only property of the one before (d0 .. dn)."""
     defs: dict[str, Any] = {
         f"d{i}": {
             "type": "object",
@@ -30,7 +31,11 @@ def ref_chain(n: int) -> StructuredOutput:
         for i in range(n)
     }
     defs[f"d{n}"] = {"type": "string"}
-    return StructuredOutput.json_schema({"$ref": "#/$defs/d0", "$defs": defs})
+    return defs
+
+
+def ref_chain(n: int) -> StructuredOutput:
+    return StructuredOutput.json_schema({"$ref": "#/$defs/d0", "$defs": ref_chain_defs(n)})
 
 
 # llguidance's GBNF converter is quadratic in the rules: about a minute for this many, in

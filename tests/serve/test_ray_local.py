@@ -112,3 +112,34 @@ def test_a_local_ray_that_would_listen_on_the_network_is_refused(
 def test_a_local_ray_runs_its_dashboard_only_when_asked_and_then_on_loopback() -> None:
     assert local_ray_options(False) == {"include_dashboard": False, "dashboard_host": "127.0.0.1"}
     assert local_ray_options(True)["include_dashboard"] is True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_that_lands_while_serve_deploys_still_stops_the_server(
+    monkeypatch: pytest.MonkeyPatch, sig: signal.Signals
+) -> None:
+    """Ray Serve's ``run`` can swallow the ``KeyboardInterrupt`` of a signal that lands while
+    it waits for the app (seen: a SIGINT right after the first answer, and the CLI served on
+    for good); the signal must still stop the server once ``run`` returns."""
+    import inlinelm.serve.ray as serve_ray
+
+    calls: list[str] = []
+
+    def deploying(*args: object, blocking: bool = False, **kwargs: object) -> None:
+        try:
+            signal.raise_signal(sig)  # NOTE: delivered at once, in this (the main) thread
+        except KeyboardInterrupt:
+            calls.append("swallowed")  # what Ray's startup did with it
+        if blocking:
+            calls.append("waits for a signal already spent")  # Ray's wait_for_interrupt
+
+    monkeypatch.setattr(serve_ray, "check_loopback_ray", lambda: None)
+    monkeypatch.setattr(serve_ray.ray, "init", lambda **kwargs: calls.append("init"))
+    monkeypatch.setattr(serve_ray.serve, "start", lambda **kwargs: calls.append("start"))
+    monkeypatch.setattr(serve_ray.serve, "run", deploying)
+    monkeypatch.setattr(serve_ray, "_stop_ray", lambda name, local: calls.append("stop"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    serve_ray.run(object(), host="127.0.0.1", port=1)  # type: ignore[arg-type]  # never deployed
+    assert calls == ["init", "start", "swallowed", "stop"]
+    assert {s: signal.getsignal(s) for s in before} == before

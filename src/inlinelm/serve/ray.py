@@ -389,18 +389,23 @@ def run(
     local = not os.environ.get("RAY_ADDRESS")
     if local:
         check_loopback_ray()
-    previous = _stop_on_sigterm()
+    stop = threading.Event()
+    previous = _stop_on_signals(stop)
     try:
         ray.init(**(local_ray_options(dashboard) if local else {}))
-        _stop_on_sigterm()  # NOTE: ray.init sets a SIGTERM handler of its own
+        _stop_on_signals(stop)  # NOTE: ray.init sets a SIGTERM handler of its own
         serve.start(http_options={"host": host, "port": port})
-        serve.run(app, name=name, route_prefix="/", blocking=True)
+        serve.run(app, name=name, route_prefix="/", blocking=False)
+        # NOTE: serve.run can swallow the KeyboardInterrupt of a signal that lands while
+        # it waits for the app (it then served on, deaf to that signal): the event keeps it.
+        while not stop.wait(1.0):
+            pass
     except KeyboardInterrupt:
         pass
     finally:
         with _interrupts_ignored():
             _stop_ray(name, local)
-        _restore_sigterm(previous)
+        _restore_signals(previous)
 
 
 def local_ray_options(dashboard: bool) -> dict[str, Any]:
@@ -457,17 +462,25 @@ def _stop_ray(name: str, local: bool) -> None:
     ray.shutdown()
 
 
-def _stop_on_sigterm() -> Any:
-    """Make SIGTERM raise ``KeyboardInterrupt``, as SIGINT does; returns the old handler
-    (None off the main thread, where handlers cannot be set)."""
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop_on_signals(stop: threading.Event) -> dict[int, Any] | None:
+    """Make SIGINT and SIGTERM set ``stop`` and raise ``KeyboardInterrupt``; returns the old
+    handlers (None off the main thread, where handlers cannot be set)."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    return signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    def handler(signum: int, frame: object) -> None:
+        stop.set()
+        raise KeyboardInterrupt
+
+    return {sig: signal.signal(sig, handler) for sig in _STOP_SIGNALS}
 
 
-def _restore_sigterm(previous: Any) -> None:
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
+def _restore_signals(previous: dict[int, Any] | None) -> None:
+    for sig, old in (previous or {}).items():
+        signal.signal(sig, old)
 
 
 @contextlib.contextmanager
@@ -477,7 +490,7 @@ def _interrupts_ignored() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
     try:
         yield
     finally:

@@ -26,6 +26,7 @@ BENCHMARKS: list[tuple[str, str, list[str], int]] = [
     ("detok", "detok.py", [], 90),
     ("prompt_stall", "prompt_stall.py", [], 120),
     ("host_step", "host_step.py", [], 150),
+    ("stop_strings", "stop_strings.py", [], 90),
     ("e2e_cpu", "e2e_cpu.py", [], 480),
     ("ray_scale", "ray_scale.py", [], 300),
 ]

@@ -36,6 +36,12 @@ SLACK = 40
 WAIT_S = 60.0
 
 
+def bound_address(server: EdgeServer) -> tuple[str, int]:
+    """The host and port a started server listens on (it was given port 0)."""
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    return host, port
+
+
 class EdgeThread:
     """:class:`EdgeServer` on a free port of 127.0.0.1 in a thread, as ``inlinelm serve``
     configures it (``server_config``), until :meth:`stop`."""
@@ -59,8 +65,7 @@ class EdgeThread:
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return host, port
+        return bound_address(self.server)
 
     @property
     def url(self) -> str:

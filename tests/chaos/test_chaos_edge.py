@@ -32,6 +32,7 @@ import httpx
 from inlinelm.api import create_app
 from inlinelm.api.edge import EdgeLimits, EdgeServer, server_config
 from inlinelm.runtime.engine import Engine
+from tests.api.test_http_edge import bound_address
 from tests.chaos.helpers import (
     Problems,
     check_drained,
@@ -70,8 +71,7 @@ class Edge:
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return host, port
+        return bound_address(self.server)
 
     @property
     def url(self) -> str:

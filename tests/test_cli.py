@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from inlinelm import cli
-from inlinelm.api.edge import EdgeLimits
+from inlinelm.api.edge_limits import EdgeLimits
 from inlinelm.cli import (
     API_KEY_ENV,
     ENGINE_HELP,

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from inlinelm.api.access import LOOPBACK_HOSTS, host_name
-from inlinelm.api.edge import (
+from inlinelm.api.edge_limits import (
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_HEADER_BYTES,

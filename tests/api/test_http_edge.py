@@ -22,7 +22,8 @@ import pytest
 import uvicorn
 
 from inlinelm.api import create_app
-from inlinelm.api.edge import EdgeLimits, EdgeServer, edge_protocol, server_config
+from inlinelm.api.edge import EdgeServer, edge_protocol, server_config
+from inlinelm.api.edge_limits import EdgeLimits
 from inlinelm.errors import ConfigError
 from inlinelm.runtime.engine import Engine
 from tests.api.conftest import ECHO

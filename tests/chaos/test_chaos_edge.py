@@ -30,7 +30,8 @@ from typing import Any
 import httpx
 
 from inlinelm.api import create_app
-from inlinelm.api.edge import EdgeLimits, EdgeServer, server_config
+from inlinelm.api.edge import EdgeServer, server_config
+from inlinelm.api.edge_limits import EdgeLimits
 from inlinelm.runtime.engine import Engine
 from tests.api.test_http_edge import bound_address
 from tests.chaos.helpers import (

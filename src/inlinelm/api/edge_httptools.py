@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from inlinelm.api.edge import EdgeLimits
+from inlinelm.api.edge_limits import EdgeLimits
 
 logger = logging.getLogger("inlinelm.api.edge")
 

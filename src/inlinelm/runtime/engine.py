@@ -364,7 +364,9 @@ class Engine:
         )
         request_params = _params(params, overrides)
         return run_sync(
-            generate_all(self, batch, lambda prompt: self.stream(prompt, request_params), use_tqdm)
+            generate_all(
+                self.start, batch, lambda prompt: self.stream(prompt, request_params), use_tqdm
+            )
         )
 
     def generate_chat(
@@ -392,7 +394,7 @@ class Engine:
         request_params = _params(params, overrides)
         return run_sync(
             generate_all(
-                self, batch, lambda messages: self.chat(messages, request_params), use_tqdm
+                self.start, batch, lambda messages: self.chat(messages, request_params), use_tqdm
             )
         )
 

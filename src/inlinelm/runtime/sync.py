@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from inlinelm.progress import progress_bar
 
 if TYPE_CHECKING:
-    from inlinelm.runtime.engine import Engine
     from inlinelm.runtime.outputs import RequestOutput
     from inlinelm.runtime.stream import RequestStream
 
@@ -54,14 +53,14 @@ def _loop_running() -> bool:
 
 
 async def generate_all(
-    engine: Engine,
+    start: Callable[[], Awaitable[None]],
     items: Sequence[Item],
     open_stream: Callable[[Item], RequestStream],
     use_tqdm: bool,
 ) -> list[RequestOutput]:
-    """Start the engine, open one stream per item and await them all concurrently, with a
+    """``start`` the engine, open one stream per item and await them all concurrently, with a
     progress bar (shown on a terminal or in Jupyter); outputs in the items' order."""
-    await engine.start()
+    await start()
     streams = [open_stream(item) for item in items]
     with progress_bar(len(streams), "generate", enabled=use_tqdm) as bar:
 

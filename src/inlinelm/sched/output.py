@@ -5,21 +5,13 @@ All of them are plain data (no tensors, no futures) so they can cross the thread
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from inlinelm.sched.finish import FinishReason as FinishReason  # NOTE: imported from here
+
 if TYPE_CHECKING:
     from inlinelm.sched.request import Request
-
-
-class FinishReason(enum.Enum):
-    """Why a request stopped: OpenAI's ``finish_reason`` values plus ``error``."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
 
 
 @dataclass(slots=True)

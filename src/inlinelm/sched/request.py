@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from inlinelm.sampling_params import SamplingParams
-from inlinelm.sched.output import FinishReason
+from inlinelm.sched.finish import FinishReason
 
 if TYPE_CHECKING:
     from inlinelm.structured.matcher import GrammarMatcher

@@ -122,12 +122,14 @@ class InputBatch:
             self.generators[row] = None
             self._free_rows.append(row)
 
-    def sync_blocks(self, row: int, block_ids: list[int]) -> None:
-        """Append the block ids the request gained since the last step."""
-        have = int(self.num_blocks[row])
-        if len(block_ids) > have:
-            self.block_table[row, have : len(block_ids)] = block_ids[have:]
-            self.num_blocks[row] = len(block_ids)
+    def sync_blocks(self, rows: IntArray, block_ids: list[list[int]]) -> None:
+        """Append the block ids each of ``rows`` gained since the last step (``block_ids``:
+        each row's request's whole list)."""
+        counts = np.array([len(ids) for ids in block_ids], dtype=np.int64)
+        for i in np.flatnonzero(counts > self.num_blocks[rows]).tolist():
+            row, have = int(rows[i]), int(self.num_blocks[rows[i]])
+            self.block_table[row, have : counts[i]] = block_ids[i][have:]
+            self.num_blocks[row] = counts[i]
 
     def append_tokens(self, rows: IntArray, token_ids: IntArray) -> None:
         """Append one sampled token to each of ``rows`` (once the host knows it)."""

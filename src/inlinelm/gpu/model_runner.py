@@ -300,12 +300,13 @@ class ModelRunner:
         step = self._in_flight.popleft()
         step.wait()
         sampled = step.sampled.numpy()
-        live = [
-            i
-            for i, (row, r) in enumerate(zip(step.rows, step.requests, strict=True))
-            if self.batch.requests[row] is r
-        ]
-        self.batch.append_tokens(step.rows[live], sampled[live])
+        held = self.batch.requests
+        rows = step.rows.tolist()
+        if all(held[row] is r for row, r in zip(rows, step.requests, strict=True)):
+            self.batch.append_tokens(step.rows, sampled)
+        else:
+            live = [i for i, row in enumerate(rows) if held[row] is step.requests[i]]
+            self.batch.append_tokens(step.rows[live], sampled[live])
         logprobs = None
         if step.logprobs is not None:
             logprobs = to_token_logprobs(
@@ -353,27 +354,29 @@ class ModelRunner:
     def _sync_rows(
         self, batch: SchedulerOutput
     ) -> tuple[IntArray, IntArray, IntArray, npt.NDArray[np.bool_]]:
-        count = len(batch.scheduled)
-        rows = np.empty(count, dtype=np.int64)
-        num_scheduled = np.empty(count, dtype=np.int64)
-        starts = np.empty(count, dtype=np.int64)
-        samples = np.empty(count, dtype=np.bool_)
-        for i, item in enumerate(batch.scheduled):
-            request = item.request
-            row = self.batch.row_of.get(request.request_id)
-            if row is None:
-                row = self.batch.add(request, _generator(request.params.seed, self.device))
-                self._sampling.add_row(
-                    row, request.params, request.prompt_token_ids, request.output_token_ids
-                )
-            self.batch.sync_blocks(row, request.block_ids)
-            rows[i], num_scheduled[i], starts[i], samples[i] = (
-                row,
-                item.num_tokens,
-                item.start,
-                item.samples,
-            )
-        return rows, num_scheduled, starts, samples
+        # NOTE: whole-batch list comprehensions and one array each, not a loop writing numpy
+        # items: this runs for every request every step.
+        scheduled = batch.scheduled
+        requests = [item.request for item in scheduled]
+        row_of = self.batch.row_of
+        row_list = [row_of.get(request.request_id) for request in requests]
+        if None in row_list:
+            for i, request in enumerate(requests):
+                if row_list[i] is None:
+                    row_list[i] = row = self.batch.add(
+                        request, _generator(request.params.seed, self.device)
+                    )
+                    self._sampling.add_row(
+                        row, request.params, request.prompt_token_ids, request.output_token_ids
+                    )
+        rows = np.array(row_list, dtype=np.int64)
+        self.batch.sync_blocks(rows, [request.block_ids for request in requests])
+        return (
+            rows,
+            np.array([item.num_tokens for item in scheduled], dtype=np.int64),
+            np.array([item.start for item in scheduled], dtype=np.int64),
+            np.array([item.samples for item in scheduled], dtype=np.bool_),
+        )
 
     def _stage_forward(
         self, inputs: StepInputs, staging: HostStaging
@@ -438,7 +441,12 @@ class ModelRunner:
         self, batch: SchedulerOutput, inputs: StepInputs, staging: HostStaging
     ) -> Callable[[torch.Tensor], StepInFlight]:
         """Stage the sampling of a step; the result samples its logits once sent."""
-        requests = [batch.scheduled[int(i)].request for i in inputs.sampling_positions]
+        scheduled = batch.scheduled
+        positions = inputs.sampling_positions
+        if len(positions) == len(scheduled):
+            requests = [item.request for item in scheduled]
+        else:
+            requests = [scheduled[i].request for i in positions.tolist()]
         if not requests:
             empty = StepInFlight([], inputs.sampling_rows, torch.empty(0, dtype=torch.int64))
             return lambda logits: empty

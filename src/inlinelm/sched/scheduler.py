@@ -84,6 +84,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._requests: dict[str, Request] = {}
         self._removed_ids: list[str] = []
+        # Whether a request finished since running was last filtered (finishing one leaves
+        # it in running until then).
+        self._finished_since_drop = False
 
     # -- queries ---------------------------------------------------------------------
 
@@ -174,14 +177,20 @@ class Scheduler:
         if self.num_preemptions == num_preemptions:
             self._schedule_waiting(budget, scheduled)
         removed_ids, self._removed_ids = self._removed_ids, []
-        num_batched_tokens = sum(item.num_tokens for item in scheduled)
+        num_batched_tokens = self.config.max_num_batched_tokens - budget.num_tokens
         return SchedulerOutput(scheduled, num_batched_tokens, removed_ids)
 
     def _schedule_running(self, budget: _Budget, scheduled: list[ScheduledRequest]) -> None:
-        decodes: list[tuple[Request, int]] = []
+        # NOTE: one pass over running, which runs for every request every step: a decode
+        # whose token fits the blocks it holds is taken inline, the rest through the
+        # general path; prefill chunks come after every decode.
         prefills: list[tuple[Request, int]] = []
         max_model_len = self.max_model_len
-        for request in self.running:  # one pass: this runs for every request every step
+        block_size = self.config.block_size
+        running = RequestStatus.RUNNING
+        for request in self.running[:]:  # a copy: preempting removes from running
+            if request.status is not running:
+                continue  # preempted earlier in this step
             pending = request.num_pending_samples
             num_known = len(request.all_token_ids)
             if pending and (
@@ -190,15 +199,27 @@ class Scheduler:
                 or _reaches_max_tokens(request, pending)
             ):
                 continue  # the step in flight finishes it, or its grammar awaits its token
-            left = num_known + pending - request.num_computed_tokens - request.num_inflight_tokens
-            if left == 1:
-                decodes.append((request, left))
-            elif left > 1:
-                prefills.append((request, left))
-        for request, left in decodes + prefills:
+            start = request.num_computed_tokens + request.num_inflight_tokens
+            left = num_known + pending - start
+            if left != 1:
+                if left > 1:
+                    prefills.append((request, left))
+                continue
+            if budget.num_tokens <= 0 or budget.num_seqs <= 0:
+                return
+            if start >= len(request.block_ids) * block_size and not self._allocate_or_preempt(
+                request, 1, scheduled
+            ):
+                continue
+            scheduled.append(ScheduledRequest(request, 1, start, True, request.num_preemptions))
+            request.num_inflight_tokens += 1
+            request.num_pending_samples += 1
+            budget.num_tokens -= 1
+            budget.num_seqs -= 1
+        for request, left in prefills:
             if budget.exhausted:
                 return
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted earlier in this step
             num_tokens = self._num_tokens_to_schedule(left, budget)
             if num_tokens and self._allocate_or_preempt(request, num_tokens, scheduled):
@@ -304,14 +325,20 @@ class Scheduler:
         sampled = {request_id: i for i, request_id in enumerate(out.req_ids)}
         outputs = []
         running = RequestStatus.RUNNING
+        block_size = self.config.block_size
+        caching = self.kv_cache.enable_caching
         for item in batch.scheduled:
             request = item.request
             if request.status is not running or item.epoch != request.num_preemptions:
                 continue  # aborted, finished or preempted while the step ran
-            request.num_computed_tokens += item.num_tokens
-            request.num_inflight_tokens -= item.num_tokens
+            num_tokens = item.num_tokens
+            computed = request.num_computed_tokens + num_tokens
+            request.num_computed_tokens = computed
+            request.num_inflight_tokens -= num_tokens
             request.num_pending_samples -= item.samples
-            self.kv_cache.cache_full_blocks(request)
+            # NOTE: a block becomes full only when the computed count crosses a block end.
+            if caching and computed // block_size != (computed - num_tokens) // block_size:
+                self.kv_cache.cache_full_blocks(request)
             index = sampled.get(request.request_id)
             if index is not None:
                 outputs.append(self._append_token(request, out, index))
@@ -321,14 +348,16 @@ class Scheduler:
     def _append_token(
         self, request: Request, out: ModelRunnerOutput, index: int
     ) -> EngineCoreOutput:
-        assert request.num_computed_tokens == request.num_tokens, "sampled before the end"
+        assert request.num_computed_tokens == len(request.all_token_ids), "sampled before the end"
         token_id = out.sampled_token_ids[index]
         request.append_output_token(token_id)
         output = EngineCoreOutput(
             request.request_id,
             [token_id],
-            new_logprobs=_logprobs_at(out, index),
-            num_cached_tokens=request.num_cached_tokens,
+            None,
+            None,
+            None if out.logprobs is None else _logprobs_at(out, index),
+            request.num_cached_tokens,
         )
         reason = self._check_stop(request, token_id)
         if reason is not None:
@@ -348,6 +377,7 @@ class Scheduler:
         among the first ``min_tokens``), then the length caps."""
         params = request.params
         grammar = request.grammar
+        num_output = len(request.output_token_ids)  # NOTE: len(), not properties: hot path
         if grammar is not None:
             # NOTE: a complete output is not finished on its last token but on the EOS its
             # mask then forces, so the last token's text is shown and EOS is not.
@@ -355,15 +385,15 @@ class Scheduler:
                 return FinishReason.ERROR
             if token_id == request.eos_token_id and grammar.is_stopped:
                 return FinishReason.STOP
-        if request.num_output_tokens > params.min_tokens:
+        if num_output > params.min_tokens:
             if token_id == request.eos_token_id and not params.ignore_eos:
                 return FinishReason.STOP
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return FinishReason.STOP
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if len(request.all_token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -375,9 +405,11 @@ class Scheduler:
         self.kv_cache.free(request)
         del self._requests[request.request_id]
         self._removed_ids.append(request.request_id)
+        self._finished_since_drop = True
 
     def _drop_finished_running(self) -> None:
-        if any(r.is_finished for r in self.running):
+        if self._finished_since_drop:
+            self._finished_since_drop = False
             self.running = [r for r in self.running if not r.is_finished]
 
     # -- config ----------------------------------------------------------------------

@@ -60,6 +60,7 @@ class SamplingColumns:
         self.repetition_penalty = np.ones(n, dtype=np.float32)
         self.presence_penalty = np.zeros(n, dtype=np.float32)
         self.frequency_penalty = np.zeros(n, dtype=np.float32)
+        self.min_tokens = np.zeros(n, dtype=np.int64)
         # Whether the row uses each penalty (decided on the request's float values).
         self.uses_repetition = np.zeros(n, dtype=np.bool_)
         self.uses_occurrence = np.zeros(n, dtype=np.bool_)
@@ -75,6 +76,7 @@ class SamplingColumns:
         self.repetition_penalty[row] = params.repetition_penalty
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty
+        self.min_tokens[row] = params.min_tokens
         self.uses_repetition[row] = params.repetition_penalty != 1.0
         self.uses_occurrence[row] = (
             params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
@@ -94,6 +96,8 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.requests: list[Request | None] = [None] * max_num_reqs
         self.generators: list[torch.Generator | None] = [None] * max_num_reqs
+        # Whether the row's request has a grammar (fixed before it is first scheduled).
+        self.has_grammar = np.zeros(max_num_reqs, dtype=np.bool_)
         self.sampling = SamplingColumns(max_num_reqs)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -110,6 +114,7 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.requests[row] = request
         self.generators[row] = generator
+        self.has_grammar[row] = request.grammar is not None
         self.sampling.write(row, request.params)
         self.row_of[request.request_id] = row
         return row
@@ -146,11 +151,15 @@ class InputBatch:
         sampled by a step in flight: it goes into ``pending_tokens``.
         """
         total = int(num_scheduled.sum())
-        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(num_scheduled, out=query_start_loc[1:])
-        row_of_token = np.repeat(rows, num_scheduled)
-        offsets = np.arange(total, dtype=np.int64) - np.repeat(query_start_loc[:-1], num_scheduled)
-        positions = np.repeat(num_computed, num_scheduled) + offsets
+        if total == len(rows):  # a decode step: one token per row, nothing to repeat
+            query_start_loc = np.arange(total + 1, dtype=np.int64)
+            row_of_token, positions = rows, num_computed
+        else:
+            query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum(num_scheduled, out=query_start_loc[1:])
+            row_of_token = np.repeat(rows, num_scheduled)
+            starts = np.repeat(query_start_loc[:-1], num_scheduled)
+            positions = np.repeat(num_computed, num_scheduled) + np.arange(total) - starts
         block_ids = self.block_table[row_of_token, positions // self.block_size]
         seq_lens = num_computed + num_scheduled
         max_seq_len = int(seq_lens.max())

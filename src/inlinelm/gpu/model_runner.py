@@ -302,7 +302,7 @@ class ModelRunner:
         sampled = step.sampled.numpy()
         held = self.batch.requests
         rows = step.rows.tolist()
-        if all(held[row] is r for row, r in zip(rows, step.requests, strict=True)):
+        if [held[row] for row in rows] == step.requests:  # identity: requests have no __eq__
             self.batch.append_tokens(step.rows, sampled)
         else:
             live = [i for i, row in enumerate(rows) if held[row] is step.requests[i]]
@@ -458,8 +458,12 @@ class ModelRunner:
             [generators[row] for row in inputs.sampling_rows.tolist()],
             staging,
         )
-        banned = _stage_early_stops(requests, staging)
-        grammars = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+        # NOTE: the rows' columns pick the few requests to look at: this runs every step.
+        sampling_rows = inputs.sampling_rows
+        early = np.flatnonzero(self.batch.sampling.min_tokens[sampling_rows]).tolist()
+        banned = _stage_early_stops(requests, early, staging)
+        constrained = np.flatnonzero(self.batch.has_grammar[sampling_rows]).tolist()
+        grammars = [(i, g) for i in constrained if (g := requests[i].grammar) is not None]
         grammar_rows = None
         if grammars and len(grammars) != len(requests):
             grammar_rows = staging.add([i for i, _ in grammars], np.int64)
@@ -573,9 +577,10 @@ def _close_part(part: object) -> None:
 
 
 def _stage_early_stops(
-    requests: list[Request], staging: HostStaging
+    requests: list[Request], candidates: list[int], staging: HostStaging
 ) -> tuple[StagedColumn, StagedColumn] | None:
-    """(row, token) pairs of the EOS and stop tokens banned for rows short of ``min_tokens``.
+    """(row, token) pairs of the EOS and stop tokens banned for rows short of ``min_tokens``,
+    among ``candidates`` (the indices into ``requests`` of those with a ``min_tokens``).
 
     Outputs sampled by steps in flight count: ``num_pending_samples`` includes them and this
     step's own sample. A row with a grammar is left alone: its grammar decides when the
@@ -583,7 +588,8 @@ def _stage_early_stops(
     """
     rows: list[int] = []
     tokens: list[int] = []
-    for i, request in enumerate(requests):
+    for i in candidates:
+        request = requests[i]
         params = request.params
         if request.grammar is not None or not params.min_tokens:
             continue

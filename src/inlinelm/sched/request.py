@@ -92,11 +92,13 @@ class Request:
     # (so it survives preemption unchanged). The runner masks logits with it; the scheduler
     # feeds it each sampled token.
     grammar: GrammarMatcher | None = None
-    _all_token_ids: list[int] = field(init=False, repr=False)
+    # Prompt then output tokens: a live list kept by append_output_token; read it, never
+    # mutate it. A plain field, not a property: the step path reads it for every request.
+    all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"
-        self._all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
 
     @property
     def priority(self) -> int:
@@ -104,14 +106,9 @@ class Request:
         return self.params.priority
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt then output tokens (a live list: read it, never mutate it)."""
-        return self._all_token_ids
-
-    @property
     def num_tokens(self) -> int:
         """Prompt plus output length."""
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -136,4 +133,4 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         """Record one sampled token."""
         self.output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

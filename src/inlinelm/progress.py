@@ -2,7 +2,8 @@
 
 A bar is drawn only where someone watches: on a terminal, or in a Jupyter kernel (as a
 widget when ipywidgets is installed, else as the plain text bar, without tqdm's
-"IProgress not found" warning). On any other stream (a log file, a pipe, a server's
+"IProgress not found" warning, which transformers' import of ``tqdm.auto`` would print:
+see :func:`silence_iprogress_warning`). On any other stream (a log file, a pipe, a server's
 output) nothing is drawn; the same steps are logged on the ``inlinelm`` logger instead
 (see docs/logging.md).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import warnings
 from typing import Any, TextIO
 
 
@@ -29,6 +31,24 @@ def progress_bar(
     from tqdm.std import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, disable=not show, file=stream, **options)
+
+
+def silence_iprogress_warning() -> None:
+    """In a Jupyter kernel, import ``tqdm.auto`` now with its "IProgress not found" warning
+    (no ipywidgets) filtered out; elsewhere, or once imported, nothing.
+
+    transformers imports ``tqdm.auto`` while the model loads, and it warns at that import,
+    once per process. Call this before starting the thread that loads the model: the
+    filter is set and restored around this one import (``warnings.catch_warnings`` is not
+    thread-safe, so that thread must not run yet).
+    """
+    if "tqdm.auto" in sys.modules or not in_notebook(sys.stderr):
+        return
+    from tqdm.std import TqdmWarning
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found", category=TqdmWarning)
+        import tqdm.auto  # noqa: F401  # NOTE: imported for its side effect: the one warning
 
 
 def in_notebook(stream: TextIO) -> bool:

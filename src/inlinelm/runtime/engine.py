@@ -22,6 +22,7 @@ from inlinelm.errors import (
     QueueTimeoutError,
     RequestError,
 )
+from inlinelm.progress import silence_iprogress_warning
 from inlinelm.runtime.admission import admit_count, admit_tokens, check_limits
 from inlinelm.runtime.bridge import (
     Heartbeat,
@@ -85,6 +86,7 @@ class Engine:
                 raise EngineClosedError("the engine is closed")
             if self._start_future is None:
                 self._start_future = concurrent.futures.Future()
+                silence_iprogress_warning()
                 threading.Thread(target=self._load, name="inlinelm-loader", daemon=True).start()
             return self._start_future
 

@@ -78,7 +78,9 @@ class Engine:
 
     async def start(self) -> None:
         """Load the model and start the engine thread (idempotent); returns once warm."""
-        await asyncio.wrap_future(self._begin_start())
+        # NOTE: shielded: a cancelled wait (an interrupted generate) must not cancel the
+        # start every caller shares, or the load's result would be lost.
+        await asyncio.shield(asyncio.wrap_future(self._begin_start()))
 
     def _begin_start(self) -> concurrent.futures.Future[LoadedEngine]:
         with self._lock:

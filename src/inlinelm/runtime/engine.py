@@ -34,7 +34,12 @@ from inlinelm.runtime.bridge import (
 )
 from inlinelm.runtime.core_handle import CoreHandle
 from inlinelm.runtime.loader import LoadedEngine, load_engine
-from inlinelm.runtime.metrics import EngineMetrics, PrometheusCollector, engine_stats
+from inlinelm.runtime.metrics import (
+    EngineMetrics,
+    EngineStats,
+    PrometheusCollector,
+    engine_stats,
+)
 from inlinelm.runtime.outputs import RequestOutput
 from inlinelm.runtime.prompt_source import Prompt, PromptSource, chat_size
 from inlinelm.runtime.request_state import (
@@ -180,6 +185,27 @@ class Engine:
             return False, f"stuck: no engine step finished for {idle_for:.1f} s"
         return True, "ok"
 
+    def __repr__(self) -> str:
+        """What the engine serves and its state, e.g. ``<Engine model='default' on cpu:
+        ready, 2 running, 0 waiting, KV blocks 40/8192 used>``."""
+        config = self.config
+        served = f"model={config.model!r}"
+        if config.runner != "model":
+            served += f" runner={config.runner!r}"
+        ok, reason = self.health(detail=False)
+        if self._start_future is None and not self._closed:
+            state = "not started"
+        elif ok or reason.startswith("stuck"):
+            stats = self.stats()
+            state = (
+                f"{'ready' if ok else reason}, {stats['num_running']} running, "
+                f"{stats['num_waiting']} waiting, "
+                f"KV blocks {stats['kv_blocks_used']}/{stats['kv_blocks_total']} used"
+            )
+        else:
+            state = reason
+        return f"<Engine {served} on {config.device}: {state}>"
+
     @property
     def healthy(self) -> bool:
         """False when the engine is closed, dead or stuck."""
@@ -214,10 +240,10 @@ class Engine:
         """Free KV blocks after the last engine step."""
         return self._require_loaded().core.num_free_blocks
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """Engine-wide numbers: queues, KV use, prefix-cache hit rate, histograms, coalescing,
         and the grammar cache (hits, misses, compiles abandoned by their clients, entries and
-        their estimated bytes)."""
+        their estimated bytes). A dict, which a notebook shows as a short table."""
         loaded = self._loaded
         stats = engine_stats(
             loaded.core.stats if loaded is not None else None,

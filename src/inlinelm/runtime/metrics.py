@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import bisect
+import html
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -165,33 +166,67 @@ class PrometheusCollector:
                 yield family
 
 
+class EngineStats(dict[str, Any]):
+    """The ``Engine.stats()`` dict, which a notebook shows as a short table (one row per
+    number, the finish counts on one row, each histogram as its count and mean)."""
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(name, value) pairs of the table."""
+        rows = [(name, _cell(value)) for name, value in self.items() if not isinstance(value, dict)]
+        finished = self.get("finished") or {}
+        rows.append(("finished", ", ".join(f"{k} {v}" for k, v in finished.items()) or "none"))
+        for name, snap in (self.get("histograms") or {}).items():
+            if snap["count"]:
+                unit = name.removesuffix("_seconds")
+                rows.append((unit, f"{snap['count']} × mean {1e3 * snap['mean']:.2f} ms"))
+        return rows
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        rows = self.rows()
+        width = max(len(name) for name, _ in rows)
+        printer.text("\n".join(f"{name:<{width}}  {value}" for name, value in rows))
+
+    def _repr_html_(self) -> str:
+        cells = "".join(
+            f"<tr><td>{html.escape(name)}</td><td>{html.escape(value)}</td></tr>"
+            for name, value in self.rows()
+        )
+        return f"<table><tr><th>Engine.stats()</th><th></th></tr>{cells}</table>"
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 def engine_stats(
     core: EngineCoreStats | None,
     metrics: EngineMetrics,
     *,
     num_queued: int,
     num_coalesced_steps: int,
-) -> dict[str, Any]:
+) -> EngineStats:
     """The ``Engine.stats()`` dict: queues, KV use, prefix-cache hit rate, histograms."""
     queried = core.num_prefix_queried_tokens if core else 0
     with metrics.lock:
         histograms = {name: h.snapshot() for name, h in metrics.histograms().items()}
         finished = dict(metrics.finished)
         merges = metrics.num_merged_outputs
-    return {
-        "num_running": core.num_running if core else 0,
-        "num_waiting": core.num_waiting if core else 0,
-        "num_queued": num_queued,
-        "kv_blocks_used": (core.num_kv_blocks - core.num_free_blocks) if core else 0,
-        "kv_blocks_total": core.num_kv_blocks if core else 0,
-        "prefix_cache_hit_rate": (core.num_prefix_hit_tokens / queried)
-        if core and queried
-        else 0.0,
-        "prefix_cache_hit_tokens": core.num_prefix_hit_tokens if core else 0,
-        "prefix_cache_queried_tokens": queried,
-        "num_steps": core.num_steps if core else 0,
-        "num_merged_outputs": merges,
-        "num_coalesced_steps": num_coalesced_steps,
-        "finished": finished,
-        "histograms": histograms,
-    }
+    return EngineStats(
+        {
+            "num_running": core.num_running if core else 0,
+            "num_waiting": core.num_waiting if core else 0,
+            "num_queued": num_queued,
+            "kv_blocks_used": (core.num_kv_blocks - core.num_free_blocks) if core else 0,
+            "kv_blocks_total": core.num_kv_blocks if core else 0,
+            "prefix_cache_hit_rate": (core.num_prefix_hit_tokens / queried)
+            if core and queried
+            else 0.0,
+            "prefix_cache_hit_tokens": core.num_prefix_hit_tokens if core else 0,
+            "prefix_cache_queried_tokens": queried,
+            "num_steps": core.num_steps if core else 0,
+            "num_merged_outputs": merges,
+            "num_coalesced_steps": num_coalesced_steps,
+            "finished": finished,
+            "histograms": histograms,
+        }
+    )

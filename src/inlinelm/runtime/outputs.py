@@ -36,6 +36,17 @@ class RequestMetrics:
         lats = self.inter_token_latencies
         return sum(lats) / len(lats) if lats else None
 
+    def __repr__(self) -> str:
+        # NOTE: the latencies' summary, not the list of every inter-token latency.
+        def ms(seconds: float | None) -> str:
+            return "None" if seconds is None else f"{1e3 * seconds:.2f} ms"
+
+        return (
+            f"RequestMetrics(ttft={ms(self.ttft)}, tpot={ms(self.tpot)}, e2e={ms(self.e2e)}, "
+            f"inter_token_latencies=[{len(self.inter_token_latencies)} values], "
+            f"num_merged_outputs={self.num_merged_outputs})"
+        )
+
 
 @dataclass(slots=True)
 class CompletionOutput:

@@ -438,7 +438,16 @@ def tokenizer_missing(tmp: Path, sources: Sources) -> BadModel:
     folder = copy_hf(tmp, sources)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (folder / name).unlink(missing_ok=True)
-    return BadModel(folder, folder)
+    return BadModel(folder, folder, mentions=f"no tokenizer in {folder}; pass tokenizer=")
+
+
+@bad_model
+def tokenizer_vocab_without_merges(tmp: Path, sources: Sources) -> BadModel:
+    # transformers, given a BPE vocabulary alone, asks for sentencepiece or tiktoken.
+    folder = copy_hf(tmp, sources)
+    (folder / "tokenizer.json").unlink()
+    (folder / "vocab.json").write_text('{"a": 0}')
+    return BadModel(folder, folder, mentions=f"no tokenizer in {folder}; pass tokenizer=")
 
 
 @bad_model

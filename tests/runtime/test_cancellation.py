@@ -8,7 +8,7 @@ import asyncio
 import random
 from typing import Any
 
-from inlinelm import RequestStream, SamplingParams, SlowConsumerError
+from inlinelm import EngineClosedError, RequestStream, SamplingParams, SlowConsumerError
 from inlinelm.sched.output import EngineCoreOutput, EngineCoreOutputs
 from inlinelm.sched.request import Request
 from tests.runtime.helpers import (
@@ -249,5 +249,27 @@ def test_aclose_is_idempotent_and_a_finished_stream_sends_no_abort() -> None:
             await other.aclose()
             assert aborted == [engine_ids(other)]
             await assert_drained(engine)
+
+    run(main())
+
+
+def test_fail_ends_the_reader_with_the_error_and_frees_the_request() -> None:
+    async def main() -> None:
+        async with echo_engine(echo_step_s=0.001) as engine:
+            stream = engine.stream("stopped by its server", ignore_eos=True, max_tokens=ENDLESS)
+            error = EngineClosedError("the server is shutting down")
+            outputs = 0
+            try:
+                async for _ in stream:
+                    outputs += 1
+                    if outputs == 1:
+                        stream.fail(error)
+            except EngineClosedError as e:
+                assert e is error
+            else:
+                raise AssertionError("the reader did not get the error")
+            assert outputs == 1
+            await assert_drained(engine)  # the reader left: the request was aborted
+            stream.fail(error)  # a stream that ended: nothing happens
 
     run(main())

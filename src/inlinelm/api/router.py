@@ -297,7 +297,9 @@ class OpenAIEndpoints:
             lambda t: log_streamed(header.id, t),
             text_frame,
         )
-        return EventStreamResponse(event_stream(streams, plan), ping_s=self.sse_ping_s)
+        return EventStreamResponse(
+            event_stream(streams, plan), ping_s=self.sse_ping_s, streams=streams
+        )
 
     async def _whole_response(
         self,

@@ -10,9 +10,12 @@ The stream of one request, in order:
 4. with ``include_usage``, one chunk with empty ``choices`` and the usage;
 5. ``data: [DONE]``.
 
-An error after the 200 replaces the rest with ``data: {"error": {...}}`` and ``[DONE]``.
-The generator aborts its engine requests in its ``finally``, and
-:class:`EventStreamResponse` closes it as soon as the response ends, however it ends.
+An error after the 200 replaces the rest with ``data: {"error": {...}}`` and ``[DONE]``;
+so does the server stopping (uvicorn's Ctrl-C or SIGTERM, as sse-starlette detects it):
+each open stream ends with an ``engine_closed`` error frame and ``[DONE]`` before the
+server goes on to close the engine. The generator aborts its engine requests in its
+``finally``, and :class:`EventStreamResponse` closes it as soon as the response ends,
+however it ends.
 """
 
 from __future__ import annotations
@@ -33,13 +36,16 @@ from starlette.types import Message, Receive, Scope, Send
 from inlinelm.api.errors import from_exception
 from inlinelm.api.formats import ChoiceFormat
 from inlinelm.api.responses import ResponseHeader
-from inlinelm.errors import EngineError, RequestError, RequestFailedError
+from inlinelm.errors import EngineClosedError, EngineError, RequestError, RequestFailedError
 from inlinelm.runtime.outputs import RequestOutput
 from inlinelm.sched.output import TokenLogprobs
 
 logger = logging.getLogger("inlinelm.api")
 
 DONE = "[DONE]"
+SHUTDOWN_GRACE_S = 5.0
+"""How long an open stream has, once the server stops, to send its error frame and
+``[DONE]`` (a client that reads nothing is cut after it)."""
 
 
 def frame(payload: bytes) -> bytes:
@@ -62,6 +68,9 @@ class OutputStream(Protocol):
 
     async def submit(self) -> None:
         """Hand the request to the engine if not yet; raises what validation raises."""
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error``: its next read raises it."""
 
 
 class HttpMetrics(Protocol):
@@ -313,9 +322,34 @@ class EventStreamResponse(EventSourceResponse):
     its ``finally`` would wait for garbage collection. Closing it here runs the abort at once.
     """
 
-    def __init__(self, events: AsyncIterator[bytes], *, ping_s: float) -> None:
-        super().__init__(events, ping=ping_s, sep="\n")
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        *,
+        ping_s: float,
+        streams: Sequence[OutputStream] = (),
+    ) -> None:
+        """``events`` are the frames of the engine ``streams``; when the server stops, each
+        of ``streams`` is failed with ``EngineClosedError``, so ``events`` end with an error
+        frame and ``[DONE]`` within :data:`SHUTDOWN_GRACE_S` (then the response is cut)."""
+        self._shutdown = anyio.Event()
+        self._streams = streams
+        super().__init__(
+            events,
+            ping=ping_s,
+            sep="\n",
+            shutdown_event=self._shutdown,
+            shutdown_grace_period=SHUTDOWN_GRACE_S if streams else 0,
+            # NOTE: sse-starlette runs this beside the stream and cancels it when the
+            # response ends: the one task that waits for the server to stop.
+            data_sender_callable=self._end_on_shutdown if streams else None,
+        )
         self._events = events
+
+    async def _end_on_shutdown(self) -> None:
+        await self._shutdown.wait()
+        for stream in self._streams:
+            stream.fail(EngineClosedError("the server is shutting down"))
 
     async def _send_with_timeout(self, send: Send, message: Message) -> None:
         # NOTE: with no send timeout, skip the cancel scope sse-starlette opens per frame

@@ -61,6 +61,7 @@ class RequestStream:
         self._whole: RequestOutput | None = None
         self._done = False
         self._closed = False
+        self._error: BaseException | None = None  # failed before it was submitted
         self._keep_whole = False  # only ``await stream`` needs the whole output
 
     def _attach(self, submission: Submission) -> None:
@@ -91,6 +92,17 @@ class RequestStream:
         """Abort the request if it is still running (idempotent)."""
         self._close()
 
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error``: the reader's next read raises it, in place of any
+        output not read yet, and the request is aborted as the reader leaves. Does nothing
+        to a stream that finished or was closed. Call it on the stream's event loop."""
+        if self._done or self._closed:
+            return
+        if self._collector is None:
+            self._error = error
+        else:
+            self._collector.put(error)
+
     @property
     def finished(self) -> bool:
         """True once the last output was delivered."""
@@ -99,6 +111,8 @@ class RequestStream:
     async def _iterate(self) -> AsyncGenerator[RequestOutput, None]:
         try:
             await self.submit()
+            if self._error is not None:
+                raise self._error
             collector = self._collector
             if collector is None:
                 return  # NOTE: closed before it was ever submitted

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,14 +25,16 @@ from inlinelm import cli
 from inlinelm.api.edge_limits import EdgeLimits
 from inlinelm.cli import (
     API_KEY_ENV,
-    ENGINE_HELP,
     api_key,
     build_parser,
     edge_limits,
     engine_config,
     main,
 )
+from inlinelm.cli_options import ENGINE_HELP
 from inlinelm.config import EngineConfig
+from tests.conftest import TOKENIZER_FILES
+from tests.gpu.bad_gguf import tiny_gguf_parts, write_gguf
 
 
 def test_every_engine_option_is_a_documented_flag() -> None:
@@ -191,6 +200,160 @@ def test_a_model_or_option_that_cannot_work_is_one_line_and_a_failure(
     assert "Traceback" not in err
 
 
+def test_version_prints_the_installed_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"inlinelm {importlib.metadata.version('inlinelm')}\n"
+
+
+def test_serve_help_states_each_default_once() -> None:
+    text = _serve_parser().format_help()
+    # One block per flag: its line and the indented help lines under it.
+    blocks = re.split(r"\n  (?=-)", text.split("\noptions:\n", 1)[1])
+    assert len(blocks) > 60
+    for block in blocks:
+        assert block.count("default:") <= 1, block
+
+
+def _serve_parser() -> Any:
+    args = build_parser().parse_args(["serve"])
+    return args.command_parser
+
+
+@pytest.mark.parametrize(
+    ("flags", "suggestion"),
+    [
+        (["--max-num-seq", "3"], "--max-num-seqs"),
+        (["--max_num_seq", "3"], "--max-num-seqs"),  # vLLM's spelling, misspelt
+        (["--enable-prefix-cache"], "--enable-prefix-caching"),
+        (["--prot", "9"], "--port"),
+    ],
+)
+def test_a_misspelt_flag_gets_a_did_you_mean(
+    flags: list[str], suggestion: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", *flags])
+    assert info.value.code == 2
+    assert f"; did you mean '{suggestion}'?" in capsys.readouterr().err
+
+
+def test_vllm_underscore_spellings_are_the_dashed_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(cli, "serve", lambda args: seen.append(args) or 0)
+    argv = ["serve", "--runner", "echo", "--max_num_seqs", "8", "--max_model_len=512"]
+    argv += ["--no-enable_prefix_caching", "--served_model_name", "a_b", "--port", "0"]
+    assert main(argv) == 0
+    (args,) = seen
+    config = engine_config(args)
+    assert (config.max_num_seqs, config.max_model_len, config.enable_prefix_caching) == (
+        8,
+        512,
+        False,
+    )
+    assert args.served_model_name == "a_b"  # a value keeps its underscores
+
+
+@pytest.fixture
+def listening() -> Iterator[int]:
+    """A port of 127.0.0.1 another server listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(
+    listening: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli, "serve", _must_not_serve)
+    assert main(["serve", "--runner", "echo", "--port", str(listening)]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"inlinelm serve: error: 127.0.0.1:{listening} is in use (another server listens "
+        "there); pick another --port\n"
+    )
+
+
+@pytest.mark.parametrize("port", ["80000", "-1", "65536"])
+def test_a_port_out_of_range_is_one_line(
+    port: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli, "serve", _must_not_serve)
+    assert main(["serve", "--runner", "echo", "--port", port]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"inlinelm serve: error: --port must be 1 to 65535 (or 0: any free port), got {port}\n"
+    )
+
+
+def _tiny_config(**changes: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    }
+    return {**config, **changes}
+
+
+def _folder(path: Path, config: dict[str, Any], tokenizer_dir: Path | None) -> Path:
+    """A model folder: config.json, a weight file (never read: the checks must not), and
+    the real tokenizer's files when ``tokenizer_dir`` is given."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "model.safetensors").write_bytes(b"not read")
+    for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+def test_an_unsupported_architecture_is_one_line_before_anything_loads(
+    tmp_path: Path,
+    tokenizer_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cli, "serve", _must_not_serve)
+    gemma = _folder(tmp_path / "gemma", _tiny_config(model_type="gemma"), tokenizer_dir)
+    gguf = write_gguf(tmp_path / "gpt2.gguf", replace(tiny_gguf_parts(), arch="gpt2"))
+    for model, message in [
+        (gemma, "unsupported architecture 'gemma'; supported: llama, mistral, qwen2"),
+        (gguf, "unsupported GGUF architecture 'gpt2'; supported: llama, qwen2"),
+    ]:
+        assert main(["serve", "--model", str(model), "--port", "0"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("inlinelm serve: error: "), err
+        assert message in err and str(model) in err
+
+
+def test_a_model_without_a_tokenizer_is_one_line_before_anything_loads(
+    tmp_path: Path,
+    tokenizer_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cli, "serve", _must_not_serve)
+    bare = _folder(tmp_path / "bare", _tiny_config(), None)
+    half = _folder(tmp_path / "half", _tiny_config(), None)
+    (half / "vocab.json").write_text("{}")  # a BPE vocabulary without its merges.txt
+    for model, flags in [(bare, []), (half, []), (bare, ["--tokenizer", str(half)])]:
+        assert main(["serve", "--model", str(model), "--port", "0", *flags]) == 1
+        err = capsys.readouterr().err
+        folder = flags[-1] if flags else str(model)
+        assert err.startswith(f"inlinelm serve: error: no tokenizer in {folder}; pass tokenizer=")
+        assert err.count("\n") == 1
+    good = _folder(tmp_path / "good", _tiny_config(), tokenizer_dir)
+    monkeypatch.setattr(cli, "serve", lambda args: 0)
+    assert main(["serve", "--model", str(bare), "--tokenizer", str(good), "--port", "0"]) == 0
+
+
 def serve_command(*flags: str) -> tuple[list[str], int]:
     """``python -m inlinelm serve --runner echo --port P FLAGS``, with a free port P."""
     with socket.socket() as s:
@@ -222,6 +385,31 @@ def test_python_m_inlinelm_serve_streams_a_chat_and_logs_each_request() -> None:
     (log,) = [line for line in stderr.splitlines() if "request chatcmpl-" in line]
     assert "prompt_tokens=" in log and "output_tokens=5" in log and "ttft=" in log and "e2e=" in log
     assert "finish=length" in log
+
+
+def test_ctrl_c_mid_stream_ends_it_with_an_error_event_then_done_then_stops() -> None:
+    command, port = serve_command("--echo-step-s", "0.05")
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_until_serving(url, process)
+        body = {"prompt": "x y", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            lines = []
+            for line in response.iter_lines():
+                if line and not lines:
+                    process.send_signal(signal.SIGINT)  # once the stream has begun
+                lines += [line] if line else []
+        assert lines[-1] == "data: [DONE]" and len(lines) < 200  # ended, not finished
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert (error["code"], error["message"]) == ("engine_closed", "the server is shutting down")
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stderr
+    assert "finish=engine_closed" in stderr  # the request's log line
 
 
 def test_the_server_logs_whether_a_key_is_set_and_never_the_key() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inlinelm.cli import ENGINE_HELP
+from inlinelm.cli_options import ENGINE_HELP
 from inlinelm.config import EngineConfig
 from inlinelm.docs import (
     BLOCKS,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from inlinelm.cli import ENGINE_HELP, add_server_options
+from inlinelm.cli_options import ENGINE_HELP, add_server_options
 from inlinelm.config import EngineConfig
 
 MIB = 1024**2

@@ -13,6 +13,7 @@ mounted under ``/llm``.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +24,12 @@ from pydantic import BaseModel, Field
 
 from inlinelm import Engine
 from inlinelm.api import openai_router
+
+# inlinelm logs on the "inlinelm" logger and configures no handler; uvicorn configures only
+# its own loggers. Without these two lines the model's load (seconds) and the "engine
+# ready" line are silent (docs/logging.md).
+logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+logging.getLogger("inlinelm").setLevel(logging.INFO)
 
 engine = Engine(model="default", runner=os.environ.get("INLINELM_EXAMPLE_RUNNER", "model"))
 

@@ -14,6 +14,7 @@ OpenAI-compatible router under ``/llm`` and calls the engine from one of its own
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +30,12 @@ from starlette.routing import Mount, Route
 
 from inlinelm import Engine
 from inlinelm.api import openai_router
+
+# inlinelm logs on the "inlinelm" logger and configures no handler; uvicorn configures only
+# its own loggers. Without these two lines the model's load (seconds) and the "engine
+# ready" line are silent (docs/logging.md).
+logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+logging.getLogger("inlinelm").setLevel(logging.INFO)
 
 engine = Engine(model="default", runner=os.environ.get("INLINELM_EXAMPLE_RUNNER", "model"))
 

@@ -89,8 +89,10 @@ def test_batch_answers_100_questions() -> None:
 def test_starlette_app_keeps_its_routes_and_middleware_around_the_router(
     tmp_path: Path,
 ) -> None:
-    command = [sys.executable, str(EXAMPLES / "starlette_app.py")]
-    with serving(command, "/llm/health", tmp_path / "server.log") as url:
+    # As the README runs a mounted router: `uvicorn module:app`, uvicorn's own command.
+    command = [sys.executable, "-m", "uvicorn", "starlette_app:app", "--app-dir", str(EXAMPLES)]
+    log = tmp_path / "server.log"
+    with serving(command, "/llm/health", log) as url:
         hello = httpx.get(f"{url}/hello")
         assert hello.json() == {"hello": "from the host app", "engine_ready": True}
         haiku = httpx.get(f"{url}/haiku", params={"topic": "autumn"}, timeout=30)
@@ -100,11 +102,20 @@ def test_starlette_app_keeps_its_routes_and_middleware_around_the_router(
         assert reply.status_code == 200, reply.text
         assert ECHO_ANSWER in reply.json()["choices"][0]["message"]["content"]
         assert reply.headers["server-timing"].startswith("app;dur=")  # the host's middleware
+    assert_engine_ready_logged(log.read_text())
+
+
+def assert_engine_ready_logged(log: str) -> None:
+    """The example configured logging: the engine's start shows, in one INFO line."""
+    (ready,) = [line for line in log.splitlines() if "engine ready in" in line]
+    assert " INFO inlinelm: " in ready and "model default on cpu" in ready, ready
+    assert "KV blocks" in ready
 
 
 def test_fastapi_app_serves_its_typed_endpoint_and_the_mounted_api(tmp_path: Path) -> None:
     command = [sys.executable, str(EXAMPLES / "fastapi_app.py")]
-    with serving(command, "/llm/health", tmp_path / "server.log") as url:
+    log = tmp_path / "server.log"
+    with serving(command, "/llm/health", log) as url:
         text = {"text": "inlinelm runs the model on one thread inside your process."}
         summary = httpx.post(f"{url}/summarize", json=text, timeout=30)
         assert summary.status_code == 200, summary.text
@@ -114,6 +125,7 @@ def test_fastapi_app_serves_its_typed_endpoint_and_the_mounted_api(tmp_path: Pat
         assert httpx.post(f"{url}/summarize", json={"text": ""}).status_code == 422
         models = httpx.get(f"{url}/llm/v1/models")
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "default"
+    assert_engine_ready_logged(log.read_text())
 
 
 def test_openai_client_against_its_in_process_server() -> None:

@@ -68,13 +68,16 @@ def test_start_reports_progress_in_log_lines(caplog: pytest.LogCaptureFixture) -
     caplog.set_level(logging.INFO, logger="inlinelm")
 
     async def main() -> None:
-        async with echo_engine():
+        async with echo_engine(num_kv_blocks=64, max_model_len=1024):
             pass
 
     run(main())
     messages = [r.getMessage() for r in caplog.records if r.name == "inlinelm"]
     assert any("tokenizer loaded" in m for m in messages), messages
-    assert any("engine ready" in m for m in messages), messages
+    # One INFO line says the engine is ready: which model, where, its KV cache, how long.
+    (ready,) = [m for m in messages if m.startswith("engine ready in ")]
+    assert "s: model default on cpu (echo runner)" in ready, ready
+    assert "64 KV blocks of 16 tokens" in ready, ready
 
 
 def test_aclose_is_idempotent_and_everything_after_it_raises_engine_closed_error() -> None:

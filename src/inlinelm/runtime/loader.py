@@ -85,8 +85,11 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
     core = EngineCore(core_config, runner, eos, sink)
     core.start()
     logger.info(
-        "engine ready in %.2f s: %s runner, max_model_len %d, %d KV blocks of %d tokens",
+        "engine ready in %.2f s: model %s on %s (%s runner), max_model_len %d, "
+        "%d KV blocks of %d tokens",
         time.perf_counter() - start,
+        config.model,
+        config.device,
         config.runner,
         max_model_len,
         runner.num_kv_blocks,

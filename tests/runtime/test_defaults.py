@@ -15,6 +15,7 @@ from inlinelm.api.protocol import Limits, parse_chat
 from inlinelm.config import FALLBACK_SAMPLING
 from inlinelm.gpu.model_files import (
     DEFAULT_MODEL_GENERATION,
+    default_model_path,
     generation_defaults,
     resolve_model,
 )
@@ -137,6 +138,35 @@ def test_the_default_model_samples_as_its_model_card_recommends() -> None:
     files = resolve_model("default")
     assert dict(files.generation) == dict(DEFAULT_MODEL_GENERATION)
     assert (files.generation["temperature"], files.generation["top_p"]) == (0.2, 0.9)
+
+
+def test_the_default_models_file_by_its_path_samples_as_by_its_name() -> None:
+    # One rule for a GGUF however it is named: its sampling keys, else its model card's.
+    by_name = resolve_model("default")
+    by_path = resolve_model(str(default_model_path()))
+    assert by_path.folder == by_name.folder
+    assert dict(by_path.generation) == dict(by_name.generation) == dict(DEFAULT_MODEL_GENERATION)
+
+
+def test_a_model_card_applies_only_to_the_file_it_names(tmp_path: Path) -> None:
+    import gguf
+
+    from inlinelm.gpu.gguf_convert import MODEL_CARD_SAMPLING, _identity
+
+    (organization, basename, size, _finetune), card = next(iter(MODEL_CARD_SAMPLING.items()))
+    assert card == DEFAULT_MODEL_GENERATION
+    path = tmp_path / "named.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("general.organization", organization)
+    writer.add_string("general.basename", basename)
+    writer.add_string("general.size_label", size)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    identity = _identity(gguf.GGUFReader(str(path)))
+    assert identity == (organization, basename, size, "")  # another finetune: not the card's
+    assert identity not in MODEL_CARD_SAMPLING
 
 
 def test_gguf_sampling_keys_become_a_generation_config(tmp_path: Path) -> None:

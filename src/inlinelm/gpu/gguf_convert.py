@@ -6,7 +6,7 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import torch
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.gguf_header import SUPPORTED_GGUF_ARCHS, check_metadata, open_gguf
 from inlinelm.gpu.model_config import ModelConfig, parse_config
+from inlinelm.gpu.model_files import DEFAULT_MODEL_GENERATION
 from inlinelm.gpu.model_memory import format_bytes, host_memory_available
 from inlinelm.progress import progress_bar
 
@@ -52,6 +53,14 @@ _SAMPLING_KEYS = {
     "general.sampling.penalty_repeat": "repetition_penalty",
 }
 
+MODEL_CARD_SAMPLING: Mapping[tuple[str, str, str, str], Mapping[str, Any]] = {
+    # SmolLM2-135M-Instruct, the default model
+    ("HuggingFaceTB", "smollm2", "135M", "8k-lc100k-mix1-ep2"): DEFAULT_MODEL_GENERATION,
+}
+"""Sampling values recommended by the model cards of files that carry no
+``general.sampling.*`` keys, keyed by their ``general.organization``, ``basename``,
+``size_label`` and ``finetune``: one rule, whatever path or name the file is given by."""
+
 
 def convert_gguf(path: Path, out: Path) -> None:
     """Write config.json, model.safetensors and the tokenizer files of ``path`` into ``out``,
@@ -64,16 +73,21 @@ def convert_gguf(path: Path, out: Path) -> None:
     """
     from safetensors.torch import save_file
 
-    reader = open_gguf(path)
-    arch = check_metadata(reader, path)
-    cfg = _convert_config(path, out)
+    # NOTE: reading the header (gguf's reader) and transformers' config from it take
+    # seconds each for a large vocabulary: a one-step bar says what runs (as for the
+    # tokenizer, and the dequantizing's own bar).
+    with progress_bar(1, f"reading {path.name}'s metadata (once)") as bar:
+        reader = open_gguf(path)
+        arch = check_metadata(reader, path)
+        cfg = _convert_config(path, out)
+        bar.update(1)
     _check_tensors(reader, path, cfg)
     _check_room(reader, path, out)
     tensors = _dequantize_all(reader, path, cfg, permuted=SUPPORTED_GGUF_ARCHS[arch])
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     _convert_tokenizer(path, out)
-    generation = _sampling_fields(reader)
+    generation = _sampling_fields(reader) or dict(MODEL_CARD_SAMPLING.get(_identity(reader), {}))
     if generation:
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
 
@@ -96,18 +110,24 @@ def _convert_config(path: Path, out: Path) -> ModelConfig:
 
 
 def _convert_tokenizer(path: Path, out: Path) -> None:
+    """The tokenizer files of ``path``. transformers builds them from the vocabulary and
+    merges in one call that shows nothing for seconds (~10 s for a 49k vocabulary on these
+    2-core machines), so a one-step bar says what runs and, once done, how long it took."""
     from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    # NOTE: the boundary of transformers' GGUF tokenizer conversion (see _convert_config).
-    except Exception as e:
-        raise ModelLoadError(
-            f"transformers cannot build the tokenizer from its tokenizer.ggml.* keys "
-            f"({type(e).__name__}: {e})",
-            path=str(path),
-        ) from e
-    tokenizer.save_pretrained(str(out))
+    logger.info("converting the tokenizer of %s (once)", path.name)
+    with progress_bar(1, f"converting the tokenizer of {path.name} (once)") as bar:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        # NOTE: the boundary of transformers' GGUF tokenizer conversion (see _convert_config).
+        except Exception as e:
+            raise ModelLoadError(
+                f"transformers cannot build the tokenizer from its tokenizer.ggml.* keys "
+                f"({type(e).__name__}: {e})",
+                path=str(path),
+            ) from e
+        tokenizer.save_pretrained(str(out))
+        bar.update(1)
 
 
 def _check_tensors(reader: Any, path: Path, cfg: ModelConfig) -> None:
@@ -204,6 +224,16 @@ def _required_tensors(cfg: ModelConfig) -> Iterator[str]:
     for i in range(cfg.num_layers):
         for suffix in (*_LAYER_WEIGHTS, *biases):
             yield f"blk.{i}.{suffix}"
+
+
+def _identity(reader: Any) -> tuple[str, str, str, str]:
+    """The file's organization, basename, size label and finetune (empty when absent)."""
+    keys = ("organization", "basename", "size_label", "finetune")
+    values = []
+    for key in keys:
+        field = reader.fields.get(f"general.{key}")
+        values.append(str(field.contents()) if field is not None and field.data else "")
+    return values[0], values[1], values[2], values[3]
 
 
 def _sampling_fields(reader: Any) -> dict[str, Any]:

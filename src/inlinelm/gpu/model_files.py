@@ -40,10 +40,12 @@ TOKENIZER_FILE_SETS = (
 every file of one set (transformers, short of one, blames a missing sentencepiece)."""
 _TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 # 2: generation_config.json from the GGUF's general.sampling.* keys.
-_FORMAT_VERSION = "2"
+# 3: else from the model card of a known model (gguf_convert.MODEL_CARD_SAMPLING).
+_FORMAT_VERSION = "3"
 
 DEFAULT_MODEL_GENERATION: Mapping[str, Any] = {"temperature": 0.2, "top_p": 0.9}
-"""Sampling defaults of the default model: its model card's (the GGUF carries none)."""
+"""Sampling defaults of the default model: its model card's (the GGUF carries none). Its
+file gets them however it is named, ``"default"`` or its path (see ``MODEL_CARD_SAMPLING``)."""
 
 # generation_config.json key -> SamplingParams field
 _GENERATION_KEYS = {
@@ -88,11 +90,7 @@ def default_model_path() -> Path:
 
 def resolve_model(model: str) -> ModelFiles:
     """Turn ``"default"``, a folder or a ``.gguf`` path into a folder of loadable files."""
-    if model == "default":
-        folder = _from_gguf(default_model_path())
-        generation = {**DEFAULT_MODEL_GENERATION, **generation_defaults(folder)}
-        return ModelFiles(folder, str(default_model_path()), generation)
-    path = check_model(model)
+    path = default_model_path() if model == "default" else check_model(model)
     folder = _from_gguf(path) if path.suffix == ".gguf" else path
     return ModelFiles(folder, str(path), generation_defaults(folder))
 

@@ -156,3 +156,21 @@ def test_bad_gguf_file(tmp_path: Path) -> None:
         with pytest.raises(ModelLoadError, match="GGUF"):
             resolve_model(str(bogus))
     assert not any(p.name.startswith("gguf-") and (p / "DONE").exists() for p in cache.glob("*"))
+
+
+def test_a_gguf_already_converted_is_not_read_again_before_a_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Reading a header takes seconds for a large vocabulary; a converted file passed its
+    # checks already. A file not converted yet is still checked.
+    from inlinelm.gpu import gguf_header
+
+    path = model_files.default_model_path()
+    resolve_model(str(path))  # converted (once per cache)
+    read: list[Path] = []
+    monkeypatch.setattr(gguf_header, "check_gguf", lambda p: read.append(p) or "llama")
+    assert model_files.check_model(str(path)) == path
+    assert read == []
+    monkeypatch.setattr(model_files, "_FORMAT_VERSION", "not-converted")
+    assert model_files.check_model(str(path)) == path
+    assert read == [path]

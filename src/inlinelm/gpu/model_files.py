@@ -102,9 +102,12 @@ def check_model(model: str) -> Path:
     GGUF file's header is read and checked (its tensors are not)."""
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        from inlinelm.gpu.gguf_header import check_gguf
+        # NOTE: a file already converted passed these checks; reading the header again
+        # takes seconds for a large vocabulary (gguf's reader parses every array).
+        if not (_converted_folder(path) / "DONE").is_file():
+            from inlinelm.gpu.gguf_header import check_gguf
 
-        check_gguf(path)
+            check_gguf(path)
         return path
     if path.is_dir():
         _check_hf_folder(path)
@@ -279,10 +282,28 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _converted_folder(path: Path) -> Path:
+    """Where ``path``'s conversion lives in the cache (it is there once ``DONE`` is)."""
+    return cache_root() / f"gguf-v{_FORMAT_VERSION}-{_cached_digest(path)}"
+
+
+def _cached_digest(path: Path) -> str:
+    """``file_digest(path)``, computed once per file version (path, size, mtime)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    digest = _DIGESTS.get(key)
+    if digest is None:
+        digest = _DIGESTS[key] = file_digest(path)
+    return digest
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
 def _from_gguf(path: Path) -> Path:
     """The folder ``path`` was converted into (converting it on first use)."""
-    key = f"gguf-v{_FORMAT_VERSION}-{file_digest(path)}"
-    folder = cache_root() / key
+    folder = _converted_folder(path)
+    key = folder.name
     if (folder / "DONE").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -9,16 +11,16 @@ import pytest
 import torch
 
 from inlinelm.gpu.llama import Linear, onednn_packing_available
-from tests.gpu.conftest import GreedyReference
+from tests.gpu.conftest import GreedyReference, OursModel, ReferenceModel
 from tests.gpu.reference import (
     PROMPTS,
     PagedGreedyDriver,
     assert_logits_close,
-    load_ours,
-    load_reference,
     logits_atol,
     prefill_logits,
 )
+
+LoneDecode = Callable[[Path, int], list[int]]
 
 
 @pytest.fixture(params=["tiny", "default"])
@@ -26,8 +28,27 @@ def model_dir(request: pytest.FixtureRequest) -> Path:
     return Path(request.getfixturevalue(f"{request.param}_model_dir"))
 
 
-def test_prefill_logits_match_transformers(model_dir: Path, tokenizer: Any) -> None:
-    ours, ref = load_ours(model_dir), load_reference(model_dir)
+@pytest.fixture(scope="module")
+def lone_decode(tokenizer: Any, ours_model: OursModel) -> LoneDecode:
+    """``lone_decode(folder, i)``: our 32 greedy tokens for ``PROMPTS[i]`` decoded as the
+    only sequence of its batch, once per module. A lone decode row is attended on one
+    thread; the thread count is back where it was after each decode."""
+
+    @functools.cache
+    def decode(folder: Path, i: int) -> list[int]:
+        threads = torch.get_num_threads()
+        ids = tokenizer(PROMPTS[i]).input_ids
+        (got,) = PagedGreedyDriver(ours_model(folder)).generate([ids], max_new_tokens=32, chunk=64)
+        assert torch.get_num_threads() == threads
+        return got
+
+    return decode
+
+
+def test_prefill_logits_match_transformers(
+    model_dir: Path, tokenizer: Any, ours_model: OursModel, reference_model: ReferenceModel
+) -> None:
+    ours, ref = ours_model(model_dir), reference_model(model_dir)
     for prompt in PROMPTS:
         ids = tokenizer(prompt).input_ids
         with torch.inference_mode():
@@ -43,16 +64,22 @@ def test_prefill_logits_match_transformers(model_dir: Path, tokenizer: Any) -> N
 
 
 def test_a_one_percent_weight_change_fails_the_logits_check(
-    model_dir: Path, tokenizer: Any
+    model_dir: Path, tokenizer: Any, ours_model: OursModel, reference_model: ReferenceModel
 ) -> None:
     """The tolerance sits far below a real model error: one mid-depth weight matrix scaled
     by 1.01 moves the logits of the longest prompt more than ten tolerances."""
-    ours, ref = load_ours(model_dir), load_reference(model_dir)
-    with torch.no_grad():
-        ref.model.layers[ours.config.num_layers // 2].mlp.down_proj.weight.mul_(1.01)
+    ours, ref = ours_model(model_dir), reference_model(model_dir)
+    weight = ref.model.layers[ours.config.num_layers // 2].mlp.down_proj.weight
+    original = weight.detach().clone()
     ids = tokenizer(PROMPTS[4]).input_ids
-    with torch.inference_mode():
-        expected = ref(torch.tensor([ids])).logits[0].float()
+    try:
+        with torch.no_grad():
+            weight.mul_(1.01)
+        with torch.inference_mode():
+            expected = ref(torch.tensor([ids])).logits[0].float()
+    finally:
+        with torch.no_grad():
+            weight.copy_(original)  # NOTE: the session's other tests share this model
     got = prefill_logits(ours, ids)
     assert (got - expected).abs().max() > 10 * logits_atol(ours.config, expected)
     with pytest.raises(AssertionError, match="not close"):
@@ -60,19 +87,20 @@ def test_a_one_percent_weight_change_fails_the_logits_check(
 
 
 def test_batched_chunked_greedy_matches_transformers(
-    model_dir: Path, tokenizer: Any, greedy_reference: GreedyReference
+    model_dir: Path, tokenizer: Any, ours_model: OursModel, greedy_reference: GreedyReference
 ) -> None:
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
-    got = PagedGreedyDriver(load_ours(model_dir)).generate(prompts, max_new_tokens=32, chunk=7)
+    got = PagedGreedyDriver(ours_model(model_dir)).generate(prompts, max_new_tokens=32, chunk=7)
     assert got == greedy_reference(model_dir)
 
 
-def test_default_model_answers_sensibly(default_model_dir: Path, tokenizer: Any) -> None:
-    """The dequantized GGUF is a working model, not just one that matches itself."""
-    ours = load_ours(default_model_dir)
-    ids = tokenizer("The capital of France is").input_ids
-    text = tokenizer.decode(PagedGreedyDriver(ours).generate([ids], max_new_tokens=8, chunk=64)[0])
-    assert "Paris" in text
+def test_default_model_answers_sensibly(
+    default_model_dir: Path, tokenizer: Any, lone_decode: LoneDecode
+) -> None:
+    """The dequantized GGUF is a working model, not just one that matches itself: its first
+    8 greedy tokens (those of a lone 32-token decode) name the capital."""
+    assert PROMPTS[1] == "The capital of France is"
+    assert "Paris" in tokenizer.decode(lone_decode(default_model_dir, 1)[:8])
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -94,24 +122,24 @@ def test_onednn_packed_linear_equals_the_plain_matmul(bias: bool, rows: int) -> 
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
-def test_a_cpu_float32_model_keeps_only_packed_weights(tiny_model_dir: Path) -> None:
+def test_a_cpu_float32_model_keeps_only_packed_weights(
+    tiny_model_dir: Path, ours_model: OursModel
+) -> None:
     if not onednn_packing_available(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no oneDNN")
-    linears = [m for m in load_ours(tiny_model_dir).modules() if isinstance(m, Linear)]
+    linears = [m for m in ours_model(tiny_model_dir).modules() if isinstance(m, Linear)]
     assert linears
     assert all(m._packed is not None and m.weight_t.numel() == 0 for m in linears)
 
 
 def test_one_sequence_alone_decodes_like_transformers(
-    model_dir: Path, tokenizer: Any, greedy_reference: GreedyReference
+    model_dir: Path, lone_decode: LoneDecode, greedy_reference: GreedyReference
 ) -> None:
-    """A lone decode row is attended on one thread; the answer and thread count stay put."""
+    """A lone decode row is attended on one thread; the answer and thread count stay put
+    (``lone_decode`` checks the count around each decode)."""
     threads = torch.get_num_threads()
-    ours = load_ours(model_dir)
     for i in (1, 4):
-        ids = tokenizer(PROMPTS[i]).input_ids
-        got = PagedGreedyDriver(ours).generate([ids], max_new_tokens=32, chunk=64)
-        assert got == [greedy_reference(model_dir)[i]]
+        assert lone_decode(model_dir, i) == greedy_reference(model_dir)[i]
     assert torch.get_num_threads() == threads
 
 

@@ -3,6 +3,7 @@ chunked prefill, prefix-cache hits and forced preemption."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from inlinelm.gpu.model_runner import ModelRunner
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.request import Request
 from inlinelm.sched.scheduler import Scheduler
-from tests.gpu.conftest import GreedyReference
+from tests.gpu.conftest import GreedyReference, ReferenceModel
 from tests.gpu.reference import PROMPTS
 
 MAX_NEW = 24
@@ -77,6 +78,17 @@ def test_prefix_cache_is_hit(tiny_model_dir: Path, tokenizer: Any) -> None:
     assert second_req.num_cached_tokens >= 32
 
 
+@pytest.fixture(scope="module")
+def default_runner(default_model_dir: Path) -> Iterator[ModelRunner]:
+    """One runner on the default model (0.5 GB of weights to load) for every scheduler
+    set-up below. The set-ups differ in the scheduler's token budget and block pool, and the
+    runner runs whatever batch it is given: each set-up gets a scheduler of its own over the
+    first ``num_kv_blocks`` blocks of this runner's cache."""
+    runner = ModelRunner(EngineConfig(num_kv_blocks=128), default_model_dir)
+    yield runner
+    runner.close()
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -88,18 +100,24 @@ def test_prefix_cache_is_hit(tiny_model_dir: Path, tokenizer: Any) -> None:
 )
 def test_default_model_greedy_equals_transformers(
     options: dict[str, Any],
+    default_runner: ModelRunner,
     default_model_dir: Path,
     tokenizer: Any,
     greedy_reference: GreedyReference,
+    request: pytest.FixtureRequest,
 ) -> None:
     config = EngineConfig(**{"num_kv_blocks": 128, **options})
-    runner = ModelRunner(config, default_model_dir)
-    scheduler = Scheduler(config, runner.num_kv_blocks, 2)
+    assert config.num_kv_blocks is not None
+    assert config.num_kv_blocks <= default_runner.num_kv_blocks
+    scheduler = Scheduler(config, config.num_kv_blocks, 2)
     want = [tokens[:MAX_NEW] for tokens in greedy_reference(default_model_dir)]
-    got = run_to_completion(runner, scheduler, _requests(tokenizer, "d"))
-    assert [got[f"d-{i}"] for i in range(len(PROMPTS))] == want
-    again = run_to_completion(runner, scheduler, _requests(tokenizer, "e"))  # prefix-cache hits
-    assert [again[f"e-{i}"] for i in range(len(PROMPTS))] == want
+    first, second = f"{request.node.callspec.id}-d", f"{request.node.callspec.id}-e"
+    got = run_to_completion(default_runner, scheduler, _requests(tokenizer, first))
+    assert [got[f"{first}-{i}"] for i in range(len(PROMPTS))] == want
+    # A second round hits the prefix cache.
+    again = run_to_completion(default_runner, scheduler, _requests(tokenizer, second))
+    assert [again[f"{second}-{i}"] for i in range(len(PROMPTS))] == want
+    assert scheduler.num_free_blocks == config.num_kv_blocks
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(tiny_model_dir: Path, tokenizer: Any) -> None:
@@ -131,10 +149,10 @@ def test_min_tokens_bans_eos(tiny_model_dir: Path, tokenizer: Any) -> None:
 
 
 def test_many_decodes_of_different_lengths_equal_transformers(
-    tiny_model_dir: Path, tokenizer: Any
+    tiny_model_dir: Path, tokenizer: Any, reference_model: ReferenceModel
 ) -> None:
     """More decode rows than one attention group, lengths interleaved, rows out of order."""
-    from tests.gpu.reference import load_reference, reference_greedy
+    from tests.gpu.reference import reference_greedy
 
     prompts = [tokenizer(" ".join(["word"] * (3 + (i * 7) % 40))).input_ids for i in range(19)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -142,7 +160,7 @@ def test_many_decodes_of_different_lengths_equal_transformers(
     runner = ModelRunner(config, tiny_model_dir)
     requests = [Request(f"m{i}", ids, params, 2) for i, ids in enumerate(prompts)]
     got = run_to_completion(runner, Scheduler(config, 512, 2), requests)
-    ref = load_reference(tiny_model_dir)
+    ref = reference_model(tiny_model_dir)
     assert [got[f"m{i}"] for i in range(19)] == [reference_greedy(ref, ids, 8) for ids in prompts]
 
 

@@ -1,7 +1,10 @@
 """inlinelm on Ray Serve: two echo-engine replicas behind the prefix-routing ingress.
 
 One local Ray instance (``ray.init(num_cpus=2)``, loopback only) and one Serve app serve
-the whole module; the test that kills a replica runs last. Each replica reports what it
+the whole module; the test that kills a replica runs last. The tests that need a
+deployment of their own (a full one, Serve's own routing, a faulty replica, autoscaling)
+each get an app under its own route prefix, deployed with the main one: Serve starts all
+their replicas at once (one after another, each took ~10 s). Each replica reports what it
 holds through ``record_routing_stats``, called here on its actor, and every forwarded
 response names its replica in ``x-inlinelm-replica``.
 """
@@ -36,6 +39,25 @@ MAX_BYTES = 1 << 20
 SYSTEM = "You are the shared assistant of this test; keep every answer short. " * 8
 LONG = {"prompt": "a long story about", "max_tokens": 4000, "ignore_eos": True}
 WAIT_S = 60.0
+SIDE_CPUS = 0.1
+"""Each side app's replica: with the main app's 2 x 0.5 they fit num_cpus=2, with room for
+the replica the autoscaler adds and the one that replaces a failed replica."""
+FULL = EngineConfig(
+    model="default",
+    runner="echo",
+    num_threads=1,
+    max_num_seqs=2,
+    max_queued_requests=2,
+    echo_step_s=0.02,
+)
+AUTOSCALING = {
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "target_ongoing_requests": 4,
+    "upscale_delay_s": 0,
+    "look_back_period_s": 1,
+    "metrics_interval_s": 0.5,
+}
 
 
 def free_port() -> int:
@@ -57,11 +79,31 @@ def url() -> Iterator[str]:
             health_check_period_s=1.0,
             api=ApiOptions(max_request_bytes=MAX_BYTES),
         )
-        serve.run(app, name=APP, route_prefix="/")
+        serve.run_many([serve.RunTarget(app, name=APP, route_prefix="/"), *side_apps()])
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def side_apps() -> list[serve.RunTarget]:
+    """The apps of the tests that need a deployment of their own, each named for its
+    route prefix."""
+    ray.cloudpickle.register_pickle_by_value(faulty_replica)  # NOTE: workers lack tests/
+    side = {"num_cpus": SIDE_CPUS}
+    apps = {
+        "full": build_app(FULL, num_replicas=1, ray_actor_options=side),
+        # routing="serve": no ingress, Serve's ASGI integration straight to the router
+        "direct": build_app(ECHO, routing="serve", ray_actor_options=side),
+        "faulty": build_app(
+            ECHO,
+            ray_actor_options=side,
+            health_check_period_s=0.5,
+            replica_class=faulty_replica.FaultyReplica,
+        ),
+        "auto": build_app(ECHO, ray_actor_options=side, autoscaling_config=AUTOSCALING),
+    }
+    return [serve.RunTarget(app, name=name, route_prefix=f"/{name}") for name, app in apps.items()]
 
 
 def replica_stats(app: str = APP) -> dict[str, dict[str, Any]]:
@@ -205,31 +247,16 @@ def test_bad_input_is_a_4xx_before_any_200(url: str) -> None:
 
 
 def test_a_full_deployment_answers_429_with_retry_after(url: str) -> None:
-    full = EngineConfig(
-        model="default",
-        runner="echo",
-        num_threads=1,
-        max_num_seqs=2,
-        max_queued_requests=2,
-        echo_step_s=0.02,
-    )
-    serve.run(
-        build_app(full, num_replicas=1, ray_actor_options={"num_cpus": 0.25}),
-        name="full",
-        route_prefix="/full",
-    )
-    try:
+    """The ``full`` app: one replica of ``FULL`` (2 running, 2 queued)."""
 
-        async def main() -> list[httpx.Response]:
-            async with httpx.AsyncClient(base_url=f"{url}/full", timeout=WAIT_S) as client:
-                body = {"prompt": "busy", "max_tokens": 40, "ignore_eos": True}
-                return await asyncio.gather(
-                    *(client.post("/v1/completions", json=body) for _ in range(30))
-                )
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=f"{url}/full", timeout=WAIT_S) as client:
+            body = {"prompt": "busy", "max_tokens": 40, "ignore_eos": True}
+            return await asyncio.gather(
+                *(client.post("/v1/completions", json=body) for _ in range(30))
+            )
 
-        responses = asyncio.run(main())
-    finally:
-        serve.delete("full")
+    responses = asyncio.run(main())
     statuses = Counter(r.status_code for r in responses)
     assert set(statuses) == {200, 429}, statuses
     refused = next(r for r in responses if r.status_code == 429)
@@ -238,20 +265,16 @@ def test_a_full_deployment_answers_429_with_retry_after(url: str) -> None:
 
 
 def test_the_engine_deployment_serves_http_behind_serves_own_proxy(url: str) -> None:
-    """``routing="serve"``: no ingress, Serve's ASGI integration straight to the router."""
-    app = build_app(ECHO, routing="serve", ray_actor_options={"num_cpus": 0.25})
-    serve.run(app, name="direct", route_prefix="/direct")
-    try:
-        with httpx.Client(base_url=f"{url}/direct", timeout=WAIT_S) as client:
-            body = {"prompt": "straight through", "max_tokens": 50, "stream": True}
-            with client.stream("POST", "/v1/completions", json=body) as response:
-                assert response.status_code == 200
-                lines = [line for line in response.iter_lines() if line]
-            health = client.get("/health")
-            metrics = client.get("/metrics")
-            bad = client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1})
-    finally:
-        serve.delete("direct")
+    """The ``direct`` app, ``routing="serve"``: no ingress, Serve's ASGI integration
+    straight to the router."""
+    with httpx.Client(base_url=f"{url}/direct", timeout=WAIT_S) as client:
+        body = {"prompt": "straight through", "max_tokens": 50, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line]
+        health = client.get("/health")
+        metrics = client.get("/metrics")
+        bad = client.post("/v1/completions", json={"prompt": "x", "max_tokens": -1})
     text, payloads = sse_texts(lines)
     assert text == "straight through" and len(payloads) > 2 and lines[-1] == "data: [DONE]"
     assert health.json() == {"status": "ok"}
@@ -262,23 +285,13 @@ def test_the_engine_deployment_serves_http_behind_serves_own_proxy(url: str) -> 
 def test_a_replica_whose_engine_dies_fails_its_health_check_and_serve_replaces_it(
     url: str,
 ) -> None:
-    ray.cloudpickle.register_pickle_by_value(faulty_replica)  # NOTE: workers lack tests/
-    app = build_app(
-        ECHO,
-        ray_actor_options={"num_cpus": 0.25},
-        health_check_period_s=0.5,
-        replica_class=faulty_replica.FaultyReplica,
-    )
-    serve.run(app, name="faulty", route_prefix="/faulty")
-    try:
-        handle = serve.get_deployment_handle("InlineLMReplica", app_name="faulty")
-        victim = handle.break_engine.remote().result(timeout_s=WAIT_S)
-        body = {"prompt": "the last request", "max_tokens": 5}
-        failed = httpx.post(f"{url}/faulty/v1/completions", json=body, timeout=WAIT_S)
-        wait_for(lambda: running_replicas("faulty") == 1 and victim not in replica_stats("faulty"))
-        served = httpx.post(f"{url}/faulty/v1/completions", json=body, timeout=WAIT_S)
-    finally:
-        serve.delete("faulty")
+    """The ``faulty`` app: one :class:`FaultyReplica`, health-checked every 0.5 s."""
+    handle = serve.get_deployment_handle("InlineLMReplica", app_name="faulty")
+    victim = handle.break_engine.remote().result(timeout_s=WAIT_S)
+    body = {"prompt": "the last request", "max_tokens": 5}
+    failed = httpx.post(f"{url}/faulty/v1/completions", json=body, timeout=WAIT_S)
+    wait_for(lambda: running_replicas("faulty") == 1 and victim not in replica_stats("faulty"))
+    served = httpx.post(f"{url}/faulty/v1/completions", json=body, timeout=WAIT_S)
     assert failed.status_code >= 500 and failed.json()["error"]["code"] == "engine_dead"
     assert served.status_code == 200
     assert served.json()["choices"][0]["text"] == "the last request"
@@ -286,16 +299,7 @@ def test_a_replica_whose_engine_dies_fails_its_health_check_and_serve_replaces_i
 
 
 def test_the_deployment_scales_out_on_its_engines_load(url: str) -> None:
-    autoscaling = {
-        "min_replicas": 1,
-        "max_replicas": 2,
-        "target_ongoing_requests": 4,
-        "upscale_delay_s": 0,
-        "look_back_period_s": 1,
-        "metrics_interval_s": 0.5,
-    }
-    app = build_app(ECHO, ray_actor_options={"num_cpus": 0.25}, autoscaling_config=autoscaling)
-    serve.run(app, name="auto", route_prefix="/auto")
+    """The ``auto`` app: ``AUTOSCALING`` from one replica to two."""
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=f"{url}/auto", timeout=WAIT_S) as client:
@@ -313,11 +317,8 @@ def test_the_deployment_scales_out_on_its_engines_load(url: str) -> None:
                     request.cancel()
                 await asyncio.gather(*load, return_exceptions=True)
 
-    try:
-        assert running_replicas("auto") == 1
-        asyncio.run(main())
-    finally:
-        serve.delete("auto")
+    assert running_replicas("auto") == 1
+    asyncio.run(main())
 
 
 def test_killing_a_replica_fails_only_its_streams_and_serve_brings_it_back(url: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -20,6 +19,7 @@ from inlinelm.errors import ConfigError
 from inlinelm.gpu.attention import AttentionMetadata
 from inlinelm.gpu.attention_backends import make_attention_backend, select_attention_backend
 from inlinelm.gpu.batch_sampling import BatchSampling
+from inlinelm.gpu.cpu_threads import CpuThreads
 from inlinelm.gpu.cuda_graphs import (
     CudaGraphCapture,
     DecodeGraphs,
@@ -96,6 +96,8 @@ class ModelRunner:
         self.config = config
         self.device = runner_device(config.device)
         self.dtype = _DTYPES[config.model_dtype]
+        # NOTE: first, so the first interval it measures ends by the first step.
+        self.cpu_threads = CpuThreads(config.num_threads) if self.device.type == "cpu" else None
         self.model_config, self.max_model_len = check_model_fits(config, folder)
         free_at_start = free_device_memory(self.device) if self.device.type == "cuda" else None
         # NOTE: one choice for attention and the model's other kernels: FlashInfer for all,
@@ -134,9 +136,6 @@ class ModelRunner:
         self.num_kv_blocks = self.kv_spec.num_blocks
         self.kv_caches = self._allocate_kv_cache()
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
-        # Every core, for decode too: oneDNN splits even a one-row GEMV over the intra-op
-        # threads (see docs/architecture.md, "CPU threads").
-        self.num_threads = config.num_threads or _num_cores()
         self._current_threads = 0
         self._prepared_thread: int | None = None
         self._closed = False
@@ -236,9 +235,14 @@ class ModelRunner:
             torch.set_flush_denormal(True)
 
     def _set_threads(self) -> None:
-        if self.device.type == "cpu" and self._current_threads != self.num_threads:
-            torch.set_num_threads(self.num_threads)
-            self._current_threads = self.num_threads
+        """Run the step on the cores other processes leave idle, or on ``num_threads``
+        (see :mod:`inlinelm.gpu.cpu_threads`); oneDNN splits even a one-row GEMV over them."""
+        if self.cpu_threads is None:
+            return
+        wanted = self.cpu_threads.current()
+        if wanted != self._current_threads:
+            torch.set_num_threads(wanted)
+            self._current_threads = wanted
 
     @property
     def overlaps(self) -> bool:
@@ -612,12 +616,6 @@ def runner_device(name: str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _num_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:

@@ -87,6 +87,12 @@ def test_flags_build_the_engine_config_and_unset_flags_keep_its_defaults() -> No
     assert args.port == 9 and args.host == "127.0.0.1"
 
 
+@pytest.mark.parametrize(("flag", "expected"), [("256MiB", 256 * 2**20), ("1000", 1000)])
+def test_the_kv_cache_budget_flag_takes_a_size(flag: str, expected: int) -> None:
+    args = build_parser().parse_args(["serve", "--kv-cache-bytes", flag])
+    assert engine_config(args).kv_cache_budget == expected
+
+
 def test_the_api_key_comes_from_the_flag_else_the_environment() -> None:
     def key(argv: list[str], environ: dict[str, str]) -> str | None:
         return api_key(build_parser().parse_args(["serve", *argv]), environ)
@@ -150,7 +156,13 @@ def _must_not_serve(args: object) -> int:
 
 
 @pytest.mark.parametrize(
-    "argv", [["serve", "--runner", "gpu"], ["serve", "--max-n", "many"], ["serve", "--nope"]]
+    "argv",
+    [
+        ["serve", "--runner", "gpu"],
+        ["serve", "--max-n", "many"],
+        ["serve", "--nope"],
+        ["serve", "--kv-cache-bytes", "lots"],
+    ],
 )
 def test_bad_flags_exit_with_usage(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as info:

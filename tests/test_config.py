@@ -1,12 +1,17 @@
 """Engine options: the dtype ``auto`` resolution, the checks of every option (``ConfigError``,
-with a "did you mean" for a misspelt name), and the sampling defaults' order."""
+with a "did you mean" for a misspelt name), sizes in text, and the sampling defaults' order."""
 
 from __future__ import annotations
 
 import pytest
 
 from inlinelm import Engine
-from inlinelm.config import DEFAULT_CUDA_GRAPH_MEMORY_BYTES, FALLBACK_SAMPLING, EngineConfig
+from inlinelm.config import (
+    DEFAULT_CUDA_GRAPH_MEMORY_BYTES,
+    FALLBACK_SAMPLING,
+    EngineConfig,
+    parse_byte_size,
+)
 from inlinelm.errors import ConfigError, RequestError
 
 
@@ -44,6 +49,15 @@ def test_defaults_are_auto_and_a_graph_reserve() -> None:
         ("default_temperature", -1.0),
         ("default_max_tokens", 0),
         ("default_top_p", 0.0),
+        ("kv_cache_bytes", [1]),
+        ("kv_cache_bytes", -1),
+        ("kv_cache_bytes", 0),
+        ("kv_cache_bytes", "lots"),
+        ("kv_cache_bytes", 1.5e9),
+        ("kv_cache_bytes", True),
+        ("num_threads", "2"),
+        ("num_threads", 0),
+        ("num_threads", True),
     ],
 )
 def test_bad_option_values_are_config_errors_naming_the_option(option: str, value: object) -> None:
@@ -80,3 +94,39 @@ def test_sampling_defaults_take_options_then_the_model_then_the_fallback() -> No
         "temperature": 0.0,
         "max_tokens": 64,
     }
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("256MiB", 256 * 2**20),  # IEC: powers of 1024
+        ("1.5GiB", 3 * 2**29),
+        ("64Ki", 64 * 1024),
+        ("512MB", 512 * 10**6),  # SI: powers of 1000
+        ("2GB", 2 * 10**9),
+        ("2G", 2 * 2**30),  # a bare letter: 1024, as Docker and -Xmx read it
+        ("2g", 2 * 2**30),
+        (" 300 mib ", 300 * 2**20),
+        ("4096", 4096),
+        ("4096B", 4096),
+        (1024, 1024),
+    ],
+)
+def test_sizes_are_read_in_iec_si_and_bare_units(text: str | int, expected: int) -> None:
+    assert parse_byte_size(text) == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "", "MiB", "1e9", "-5MiB", "0.4", "2 GiBs", 2.0, None])
+def test_a_size_that_is_not_one_says_what_a_size_looks_like(value: object) -> None:
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        parse_byte_size(value)
+
+
+def test_a_kv_cache_size_in_text_is_kept_as_given_and_read_as_bytes() -> None:
+    config = EngineConfig(kv_cache_bytes="256MiB")
+    assert config.kv_cache_bytes == "256MiB" and config.kv_cache_budget == 256 * 2**20
+    assert EngineConfig(kv_cache_bytes=4096).kv_cache_budget == 4096
+    assert EngineConfig().kv_cache_budget is None
+    with pytest.raises(ConfigError, match="kv_cache_bytes: expected a positive number") as info:
+        Engine(kv_cache_bytes="lots")
+    assert info.value.option == "kv_cache_bytes"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, Literal, get_args
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
 from inlinelm.errors import ConfigError, RequestError, did_you_mean
 from inlinelm.sampling_params import SamplingParams
@@ -34,6 +36,57 @@ A request that leaves one of these fields unset gets, in order: the engine optio
 nucleus cut gives coherent answers from small models, where 1.0 rambles."""
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_BYTE_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i)?)?(b)?\s*", re.IGNORECASE)
+_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_byte_size(value: object) -> int:
+    """A positive number of bytes from an int or a size in text.
+
+    The text is a number (a fraction allowed) and a unit: ``KiB``, ``MiB``, ``GiB``, ``TiB``
+    (or ``Ki``, ``Mi``, ...) are powers of 1024 (IEC); ``KB``, ``MB``, ``GB``, ``TB`` powers
+    of 1000 (SI); a bare letter, ``K``, ``M``, ``G``, ``T``, is a power of 1024, as in
+    Docker's and Java's memory flags; ``B`` or nothing is bytes. Letters may be either
+    case. ``"256MiB"`` is 268435456, ``"1.5GiB"`` 1610612736, ``"512MB"`` 512000000,
+    ``"2G"`` 2147483648. A fraction of a byte is dropped.
+
+    Raises ``ValueError`` for anything else (a bool, a float, zero, a negative, ``"lots"``).
+    """
+    match = _BYTE_SIZE.fullmatch(value) if isinstance(value, str) else None
+    if match is not None:
+        digits, letter, iec, unit_b = match.groups()
+        power = _POWERS[letter.lower()] if letter else 0
+        base = 1000 if letter and unit_b and not iec else 1024
+        number = int(Fraction(digits) * base**power)
+    elif isinstance(value, str | bool) or not hasattr(value, "__index__"):
+        raise ValueError(
+            "expected a positive number of bytes: an int, or a size such as "
+            f"'256MiB', '1.5GiB', '512MB' or '2G'; got {value!r}"
+        )
+    else:
+        number = operator.index(value)  # an int, or an integer type such as numpy's
+    if number < 1:
+        raise ValueError(f"expected a positive number of bytes, got {value!r}")
+    return number
+
+
+if TYPE_CHECKING:
+    ByteSize: TypeAlias = int | str
+else:
+
+    class ByteSize(int):
+        """A number of bytes: an int, or a size in text such as ``"256MiB"`` (see
+        :func:`parse_byte_size`). ``ByteSize(text)`` parses; ``inlinelm serve`` types its
+        flag with it, from the option's annotation."""
+
+        __slots__ = ()
+
+        def __new__(cls, value: int | str) -> ByteSize:
+            return super().__new__(cls, parse_byte_size(value))
+
+
+# NOTE: ``ByteSize`` is ``int | str`` to a type checker (what callers may pass) and the
+# parsing int subclass at run time (what the CLI derives a flag's type from).
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +106,8 @@ class EngineConfig:
     dtype: DTypeName = "auto"
     # "auto": FlashInfer (attention, norms, RoPE, SiLU) on CUDA when it imports, else torch.
     attention_backend: AttentionBackendName = "auto"
-    # CPU intra-op threads; None uses every core (see docs/architecture.md).
+    # CPU intra-op threads; None: the cores other processes leave idle, re-checked every
+    # second (see docs/cpu.md and inlinelm.gpu.cpu_threads).
     num_threads: int | None = None
     seed: int = 0
     # Scheduling
@@ -69,8 +123,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # Largest decode batch run as a graph; None: max_num_seqs.
     max_cuda_graph_batch_size: int | None = None
-    # KV cache sizing: a byte budget on CPU, a fraction of free memory on CUDA.
-    kv_cache_bytes: int | None = None
+    # KV cache sizing: a byte budget (an int, or text such as "256MiB") on CPU, a fraction
+    # of free memory on CUDA.
+    kv_cache_bytes: ByteSize | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     # GPU memory kept out of the KV cache for the CUDA graphs (0 when none are captured).
@@ -122,6 +177,11 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def kv_cache_budget(self) -> int | None:
+        """``kv_cache_bytes`` in bytes (a size in text parsed), or None when unset."""
+        return None if self.kv_cache_bytes is None else parse_byte_size(self.kv_cache_bytes)
 
     def with_options(self, **options: Any) -> EngineConfig:
         """A copy with some options replaced; an unknown name or a bad value raises
@@ -207,8 +267,20 @@ class EngineConfig:
             raise ConfigError(
                 "max_cuda_graph_batch_size must be >= 1", option="max_cuda_graph_batch_size"
             )
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ConfigError("num_threads must be >= 1", option="num_threads")
+        if self.num_threads is not None and (
+            not isinstance(self.num_threads, int)
+            or isinstance(self.num_threads, bool)
+            or self.num_threads < 1
+        ):
+            raise ConfigError(
+                f"num_threads must be an int >= 1 or None, got {self.num_threads!r}",
+                option="num_threads",
+            )
+        if self.kv_cache_bytes is not None:
+            try:
+                parse_byte_size(self.kv_cache_bytes)
+            except ValueError as e:
+                raise ConfigError(f"kv_cache_bytes: {e}", option="kv_cache_bytes") from None
         if not isinstance(self.cuda_graph_memory_bytes, int) or self.cuda_graph_memory_bytes < 0:
             raise ConfigError(
                 "cuda_graph_memory_bytes must be an int >= 0", option="cuda_graph_memory_bytes"

@@ -89,7 +89,7 @@ def kv_cache_spec(
     per_block = bytes_per_block(cfg, config.block_size, dtype)
     if config.num_kv_blocks is not None:
         return KVCacheSpec(config.num_kv_blocks, config.block_size, per_block)
-    budget = config.kv_cache_bytes
+    budget = config.kv_cache_budget
     if budget is None and gpu_memory is not None:
         budget = gpu_kv_cache_bytes(
             gpu_memory,

@@ -123,8 +123,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # Largest decode batch run as a graph; None: max_num_seqs.
     max_cuda_graph_batch_size: int | None = None
-    # KV cache sizing: a byte budget (an int, or text such as "256MiB") on CPU, a fraction
-    # of free memory on CUDA.
+    # KV cache sizing: a byte budget (an int, or text such as "256MiB"); None: on CPU
+    # max_num_seqs sequences of a typical length, bounded by the weights' size and the
+    # memory left (see docs/cpu.md); on CUDA a fraction of free memory.
     kv_cache_bytes: ByteSize | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9

@@ -1,26 +1,33 @@
-"""KV-cache sizing: the GPU budget arithmetic on plain numbers, and the spec it feeds; the
-K/V write into the cache."""
+"""KV-cache sizing: the GPU budget arithmetic on plain numbers, the CPU default from the
+model and max_num_seqs, and the spec they feed; the CPU cache's memory, committed as it is
+written; the K/V write into the cache."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from inlinelm import Engine
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.kv_cache import (
-    DEFAULT_KV_CACHE_BYTES_CAP,
+    TYPICAL_SEQUENCE_TOKENS,
     GpuMemoryUse,
+    HostMemory,
     adjacent_pair,
+    allocate_kv_cache,
     bytes_per_block,
+    bytes_per_token,
     gpu_kv_cache_bytes,
     kv_cache_spec,
     write_kv,
 )
 from inlinelm.gpu.model_config import ModelConfig
+from inlinelm.gpu.model_memory import weight_bytes
 
 MiB, GiB = 2**20, 2**30
 
@@ -76,13 +83,96 @@ def test_explicit_sizes_win_over_the_measurement(tiny_model_dir: Path) -> None:
     assert kv_cache_spec(budget, cfg, 2048, torch.bfloat16, use).num_blocks == 64 * MiB // per_block
 
 
-def test_cpu_default_holds_every_sequence_at_full_length_up_to_a_cap(tiny_model_dir: Path) -> None:
+ROOMY = HostMemory(weights=2**40, left=None)
+"""Bounds that leave the CPU default to max_num_seqs x the typical length."""
+
+
+def test_bytes_per_token_is_k_and_v_of_every_layer(tiny_model_dir: Path) -> None:
+    cfg = ModelConfig.from_folder(tiny_model_dir)  # 2 layers, 2 KV heads, head dim 16
+    assert bytes_per_token(cfg, torch.float32) == 2 * 2 * 2 * 16 * 4 == 512
+    assert bytes_per_token(cfg, torch.bfloat16) == 256
+    assert bytes_per_block(cfg, 16, torch.float32) == 16 * 512
+
+
+def test_cpu_default_is_max_num_seqs_sequences_of_a_typical_length(tiny_model_dir: Path) -> None:
     cfg = ModelConfig.from_folder(tiny_model_dir)
+    short = kv_cache_spec(EngineConfig(max_num_seqs=4), cfg, 160, torch.float32, host=ROOMY)
+    assert short.num_blocks == 4 * 160 // 16
+    long = kv_cache_spec(EngineConfig(max_num_seqs=4), cfg, 4096, torch.float32, host=ROOMY)
+    assert long.num_blocks == 4 * TYPICAL_SEQUENCE_TOKENS // 16
+    assert long.reason == f"max_num_seqs 4 x {TYPICAL_SEQUENCE_TOKENS} tokens x 512.0 B/token"
+
+
+def test_cpu_default_is_bounded_by_the_weights_and_half_the_memory_left(
+    tiny_model_dir: Path,
+) -> None:
+    cfg = ModelConfig.from_folder(tiny_model_dir)
+    config = EngineConfig(max_num_seqs=256)
     per_block = bytes_per_block(cfg, 16, torch.float32)
-    small = kv_cache_spec(EngineConfig(max_num_seqs=4), cfg, 160, torch.float32)
-    assert small.num_blocks == 4 * 10
-    huge = kv_cache_spec(EngineConfig(max_num_seqs=10**6), cfg, 2048, torch.float32)
-    assert huge.num_blocks == DEFAULT_KV_CACHE_BYTES_CAP // per_block
+    weights = HostMemory(weights=600 * per_block + 5, left=None)
+    spec = kv_cache_spec(config, cfg, 512, torch.float32, host=weights)
+    assert spec.num_blocks == 600 and spec.reason.startswith("the weights' size, less than")
+    memory = HostMemory(weights=600 * per_block, left=2 * 100 * per_block)
+    spec = kv_cache_spec(config, cfg, 512, torch.float32, host=memory)
+    assert spec.num_blocks == 100 and spec.reason.startswith("half the 1.6 MiB of memory left")
+    # Never less than one max_model_len sequence (check_fits judges whether that fits).
+    tight = HostMemory(weights=per_block, left=0)
+    spec = kv_cache_spec(config, cfg, 512, torch.float32, host=tight)
+    assert spec.num_blocks == 512 // 16
+    assert spec.reason == "one max_model_len sequence: 512 tokens x 512.0 B/token"
+
+
+def test_an_engine_sizes_its_cpu_cache_to_the_model_and_logs_why(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="inlinelm.gpu.model_runner")
+    engine = Engine(model=str(tiny_model_dir), num_threads=1)  # max_num_seqs 256
+    try:
+        engine.start_sync()
+        cfg = ModelConfig.from_folder(tiny_model_dir)
+        per_block = bytes_per_block(cfg, 16, torch.float32)
+        # 256 x 2048 tokens x 512 B would be 256 MiB: the ~25 MiB of weights bound it.
+        num_blocks = engine.num_kv_blocks
+    finally:
+        engine.close()
+    assert num_blocks == weight_bytes(cfg, torch.float32) // per_block
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"KV cache: {num_blocks} blocks of 16 tokens = ")
+    assert (
+        "(the weights' size, less than max_num_seqs 256 x 2048 tokens x 512.0 B/token" in lines[0]
+    )
+    assert lines[0].endswith("; set kv_cache_bytes= to change")
+
+
+def test_an_explicit_size_is_given_as_text_and_named_in_the_reason(tiny_model_dir: Path) -> None:
+    cfg = ModelConfig.from_folder(tiny_model_dir)
+    spec = kv_cache_spec(EngineConfig(kv_cache_bytes="4MiB"), cfg, 2048, torch.float32)
+    assert spec.num_blocks == 4 * 2**20 // (16 * 512)
+    assert spec.reason == "kv_cache_bytes='4MiB'"
+
+
+def _resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads Linux's VmRSS")
+def test_a_cpu_cache_takes_memory_only_as_it_is_written(tiny_model_dir: Path) -> None:
+    cfg = ModelConfig.from_folder(tiny_model_dir)
+    num_blocks = 64 * 2**20 // bytes_per_block(cfg, 16, torch.float32)  # 64 MiB
+    before = _resident_bytes()
+    caches = allocate_kv_cache(num_blocks, 16, cfg, torch.float32, torch.device("cpu"))
+    size = sum(c.numel() * c.element_size() for c in caches)
+    assert all(c.min() == c.max() == 0 for c in caches), "a fresh cache reads as zeros"
+    assert _resident_bytes() - before < size / 8, "reading the cache committed its pages"
+    for cache in caches:
+        cache[:, : cache.shape[1] // 2] = 1.0
+    assert _resident_bytes() - before > size / 2 * 0.9, "the written half is resident"
+    del caches, cache
+    assert _resident_bytes() - before < size / 8, "a freed cache is unmapped"
 
 
 def _count_index_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -1,8 +1,10 @@
 """The up-front memory estimate: it matches what the model really holds, and the refusal
-judges the device and the host apart and blames the config field or the engine option."""
+judges the device and the host apart and blames the config field or the engine option;
+the host memory an engine holds once started and gives back when closed."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,9 @@ from inlinelm.gpu.model_memory import (
     format_bytes,
     host_memory_available,
     memory_parts,
+    weight_bytes,
 )
+from tests.conftest import make_tiny_model
 
 TINY: dict[str, Any] = {
     "model_type": "llama",
@@ -57,6 +61,7 @@ def test_the_estimate_is_what_the_model_holds(variant: dict[str, Any]) -> None:
     rotary = model.rotary.cos_sin_cache
     parts = _parts(cfg)
     assert parts["embedding and LM head"].num_bytes + parts["decoder layers"].num_bytes == weights
+    assert weight_bytes(cfg, torch.float32) == weights
     assert parts["rotary table"].num_bytes == rotary.numel() * rotary.element_size()
 
 
@@ -115,3 +120,56 @@ def test_format_bytes() -> None:
     assert format_bytes(512) == "512.0 B"
     assert format_bytes(3 * 2**29) == "1.5 GiB"
     assert format_bytes(2**42) == "4.0 TiB"
+
+
+@pytest.fixture(scope="module")
+def deep_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A tiny Llama whose weights are mostly medium tensors (16 layers of 1-2 MiB MLPs), the
+    sizes malloc serves from its arenas rather than from a mapping of their own."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("deep-llama"),
+        tokenizer_dir,
+        intermediate_size=4096,
+        num_hidden_layers=16,
+        max_position_embeddings=512,
+    )
+
+
+def _resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _start_generate_close(folder: Path, kv_cache_bytes: int) -> tuple[int, int]:
+    """Resident memory (bytes) once started and once closed, above what it was before."""
+    before = _resident_bytes()
+    engine = Engine(model=str(folder), num_threads=1, max_num_seqs=2, kv_cache_bytes=kv_cache_bytes)
+    try:
+        engine.start_sync()
+        started = _resident_bytes()
+        engine.generate("Hello there", max_tokens=4, temperature=0.0, use_tqdm=False)
+    finally:
+        engine.close()
+    return started - before, _resident_bytes() - before
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads Linux's VmRSS")
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "malloc_trim"), reason="needs glibc")
+def test_an_engine_holds_its_weights_not_its_whole_cache_and_gives_both_back(
+    deep_model_dir: Path,
+) -> None:
+    cfg = ModelConfig.from_folder(deep_model_dir)
+    weights = weight_bytes(cfg, torch.float32)
+    kv_cache_bytes = 4 * weights
+    # NOTE: a first engine pays what a process pays once (imports, kernels, tokenizer caches).
+    _start_generate_close(deep_model_dir, kv_cache_bytes)
+    started, closed = _start_generate_close(deep_model_dir, kv_cache_bytes)
+    assert started < weights + kv_cache_bytes / 4, (
+        f"{format_bytes(started)} resident once started: more than the weights "
+        f"({format_bytes(weights)}) and a quarter of the cache ({format_bytes(kv_cache_bytes)})"
+    )
+    assert closed < weights / 4, (
+        f"{format_bytes(closed)} still resident after close(), of {format_bytes(weights)} weights"
+    )

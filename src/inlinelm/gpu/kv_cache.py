@@ -1,17 +1,23 @@
 """KV-cache sizing and allocation: how many blocks the cache holds, and the tensors.
 
 ``num_kv_blocks`` or ``kv_cache_bytes``, when set, decide on any device. Otherwise a CPU
-cache holds what ``max_num_seqs`` full-length sequences need, capped at
-:data:`DEFAULT_KV_CACHE_BYTES_CAP`; a CUDA cache takes what is left of
-``gpu_memory_utilization`` x the memory free when the engine started, once the weights,
-the peak activations of a profiling forward and the CUDA-graph reserve are counted.
-:func:`gpu_kv_cache_bytes` is that arithmetic on plain numbers; the measurements
-(:func:`free_device_memory`, :func:`peak_memory_of`) are the only CUDA calls here.
+cache holds ``max_num_seqs`` sequences of a typical length (:func:`cpu_kv_cache_bytes`),
+and a CUDA cache takes what is left of ``gpu_memory_utilization`` x the memory free when
+the engine started, once the weights, the peak activations of a profiling forward and the
+CUDA-graph reserve are counted. :func:`gpu_kv_cache_bytes` is that arithmetic on plain
+numbers; the measurements (:func:`free_device_memory`, :func:`peak_memory_of`) are the
+only CUDA calls here. Every spec says why it has its size (``reason``, logged once).
+
+A CPU cache is an anonymous private mapping: the kernel hands out zero pages and counts a
+page in the process's memory only once the cache writes it, so the cache's memory grows
+as sequences fill it (up to its size), and returns to the system when it is freed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,16 +29,29 @@ from inlinelm.gpu.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_BYTES_CAP = 2 * 1024**3
+TYPICAL_SEQUENCE_TOKENS = 2048
+"""The length a CPU cache is sized for per sequence by default (when ``max_model_len`` is
+longer): a chat turn with some history, and its answer. A longer sequence still runs: it
+takes blocks the others would have had, the cache always holds one ``max_model_len``
+sequence, and the scheduler preempts a sequence when no block is left."""
 
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
-    """How many blocks the cache holds and what one block costs."""
+    """How many blocks the cache holds, what one block costs, and why it has that size."""
 
     num_blocks: int
     block_size: int
     bytes_per_block: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class HostMemory:
+    """What a CPU cache's default size is bounded by, in bytes."""
+
+    weights: int  # the model's weights in its dtype
+    left: int | None  # host memory available besides the model's other parts; None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +63,50 @@ class GpuMemoryUse:
     peak_activations: int  # the profiling forward's peak above what was allocated before it
 
 
+def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one token's K and V in every layer: 2 x layers x KV heads x head dim x
+    the dtype's size."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block: K and V of ``block_size`` tokens in every layer."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return block_size * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return block_size * bytes_per_token(cfg, dtype)
+
+
+def cpu_kv_cache_bytes(
+    per_token: int, *, max_num_seqs: int, max_model_len: int, block_size: int, host: HostMemory
+) -> tuple[int, str]:
+    """The default CPU budget and why: ``max_num_seqs`` sequences of
+    ``min(max_model_len, TYPICAL_SEQUENCE_TOKENS)`` tokens, at most the weights' size and
+    half the host memory left, at least one ``max_model_len`` sequence.
+
+    The weights bound it because a CPU decode step is bound by memory reads: it reads every
+    weight once and the cache of every running sequence, so with as much live cache as
+    weights a step already takes twice the weights-only time; a larger cache fills only
+    with batches whose steps attention dominates. Half the memory left keeps room for
+    activations and everything else in the process.
+    """
+    length = min(max_model_len, TYPICAL_SEQUENCE_TOKENS)
+    wanted = max_num_seqs * length * per_token
+    sized = f"max_num_seqs {max_num_seqs} x {length} tokens x {format_bytes(per_token)}/token"
+    budget, reason = wanted, sized
+    if host.weights < budget:
+        budget, reason = (
+            host.weights,
+            f"the weights' size, less than {sized} = {format_bytes(wanted)}",
+        )
+    if host.left is not None and host.left // 2 < budget:
+        budget = host.left // 2
+        reason = f"half the {format_bytes(host.left)} of memory left, less than {sized} = {format_bytes(wanted)}"
+    one_sequence = -(-max_model_len // block_size) * block_size * per_token
+    if budget < one_sequence:
+        budget = one_sequence
+        reason = (
+            f"one max_model_len sequence: {max_model_len} tokens x {format_bytes(per_token)}/token"
+        )
+    return budget, reason
 
 
 def gpu_kv_cache_bytes(use: GpuMemoryUse, *, utilization: float, reserve: int) -> int:
@@ -79,29 +138,38 @@ def kv_cache_spec(
     max_model_len: int,
     dtype: torch.dtype,
     gpu_memory: GpuMemoryUse | None = None,
+    host: HostMemory | None = None,
 ) -> KVCacheSpec:
     """Size the cache: explicit blocks, else a byte budget: ``kv_cache_bytes``, the GPU
-    budget when ``gpu_memory`` was measured, else the CPU default.
+    budget when ``gpu_memory`` was measured, else the CPU default bounded by ``host``.
 
     Raises :class:`~inlinelm.errors.ConfigError` (``option="max_model_len"``) when a byte
     budget cannot hold one ``max_model_len`` sequence (explicit ``num_kv_blocks`` are
     taken as given)."""
     per_block = bytes_per_block(cfg, config.block_size, dtype)
     if config.num_kv_blocks is not None:
-        return KVCacheSpec(config.num_kv_blocks, config.block_size, per_block)
+        return KVCacheSpec(config.num_kv_blocks, config.block_size, per_block, "num_kv_blocks")
     budget = config.kv_cache_budget
+    reason = f"kv_cache_bytes={config.kv_cache_bytes!r}"
     if budget is None and gpu_memory is not None:
         budget = gpu_kv_cache_bytes(
             gpu_memory,
             utilization=config.gpu_memory_utilization,
             reserve=0 if config.enforce_eager else config.cuda_graph_memory_bytes,
         )
+        reason = f"gpu_memory_utilization {config.gpu_memory_utilization} of the free memory"
     if budget is None:
-        full_context = -(-max_model_len // config.block_size) * config.max_num_seqs * per_block
-        budget = min(full_context, DEFAULT_KV_CACHE_BYTES_CAP)
+        assert host is not None, "the CPU default needs the host's memory bounds"
+        budget, reason = cpu_kv_cache_bytes(
+            bytes_per_token(cfg, dtype),
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=config.block_size,
+            host=host,
+        )
     num_blocks = budget // per_block
     _check_holds_one_sequence(num_blocks, config.block_size, max_model_len, budget)
-    return KVCacheSpec(max(int(num_blocks), 2), config.block_size, per_block)
+    return KVCacheSpec(max(int(num_blocks), 2), config.block_size, per_block, reason)
 
 
 def _check_holds_one_sequence(
@@ -124,19 +192,27 @@ def allocate_kv_cache(
     num_blocks: int, block_size: int, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """One [2, num_blocks * block_size, num_kv_heads, head_dim] tensor per layer (K, V),
-    views of one allocation."""
+    views of one allocation (on a CPU, a mapping whose pages are committed as they are
+    written: see the module docstring)."""
+    shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
     # NOTE: zeros, not empty: padded gather positions read real slots, and NaN garbage
-    # would poison the masked softmax product.
-    cache = torch.zeros(
-        cfg.num_layers,
-        2,
-        num_blocks * block_size,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        dtype=dtype,
-        device=device,
-    )
+    # would poison the masked softmax product. A fresh anonymous mapping reads as zeros.
+    if device.type == "cpu":
+        cache = _mapped_zeros(shape, dtype)
+    else:
+        cache = torch.zeros(shape, dtype=dtype, device=device)
     return list(cache.unbind(0))
+
+
+def _mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor on its own private anonymous mapping (page-aligned; unmapped when
+    the last view of it is freed). Shared mappings would commit pages on reads too."""
+    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no private anonymous mappings
+        return torch.zeros(shape, dtype=dtype)
+    count = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, count * itemsize, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
 
 
 def write_kv(
@@ -170,6 +246,16 @@ def adjacent_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
         return None
     return k.as_strided((2, *k.shape), (step, *k.stride()))
+
+
+def format_bytes(num_bytes: int) -> str:
+    """``1.5 GiB``, ``4.0 TiB``: the largest binary unit that keeps the number above 1."""
+    value, unit = float(num_bytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if value < 1024 or unit == "EiB":
+            break
+        value /= 1024
+    return f"{value:.1f} {unit}"
 
 
 def free_device_memory(device: torch.device) -> int:

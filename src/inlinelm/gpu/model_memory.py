@@ -23,6 +23,7 @@ engine option (``ConfigError``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,8 @@ import torch
 
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError, ModelLoadError
-from inlinelm.gpu.kv_cache import kv_cache_spec
+from inlinelm.gpu.kv_cache import HostMemory, KVCacheSpec, kv_cache_spec
+from inlinelm.gpu.kv_cache import format_bytes as format_bytes  # re-exported: its old home
 from inlinelm.gpu.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ def memory_parts(
         MemoryPart(
             f"embedding and LM head: 2 x vocab_size {cfg.vocab_size} x hidden_size "
             f"{cfg.hidden_size}",
-            2 * cfg.vocab_size * cfg.hidden_size * itemsize + cfg.hidden_size * itemsize,
+            _embedding_params(cfg) * itemsize,
             on_device=True,
             blame="vocab_size",
         ),
@@ -99,9 +101,10 @@ def check_model_memory(
     max_model_len: int,
     dtype: torch.dtype,
     config_path: Path,
-) -> None:
+) -> KVCacheSpec | None:
     """Refuse, before anything is allocated, a model this machine cannot hold (see the
-    module docstring); reads only the memory counters."""
+    module docstring); reads only the memory counters. Returns the KV cache's spec when
+    its size is fixed before loading (see :func:`up_front_kv_spec`), else None."""
     device = torch.device(config.device)
     device_free = device_memory_free(device) if device.type == "cuda" else None
     host_free = host_memory_available()
@@ -109,9 +112,11 @@ def check_model_memory(
     # NOTE: the model's own parts first: a model that cannot fit is blamed on its config,
     # before the KV sizing can complain about a max_model_len the config chose.
     check_fits(parts, device_free=device_free, host_free=host_free, config_path=config_path)
-    kv = kv_cache_part(config, cfg, max_model_len, dtype)
-    if kv is not None:
-        parts.append(kv)
+    left = None if host_free is None else host_free - sum(p.num_bytes for p in parts)
+    host = HostMemory(weight_bytes(cfg, dtype), left)
+    spec = up_front_kv_spec(config, cfg, max_model_len, dtype, host)
+    if spec is not None:
+        parts.append(kv_cache_part(config, spec))
         check_fits(parts, device_free=device_free, host_free=host_free, config_path=config_path)
     logger.info(
         "memory: %s up front (%s free%s)",
@@ -119,19 +124,25 @@ def check_model_memory(
         format_bytes(device_free if device_free is not None else host_free or 0),
         " on the GPU" if device_free is not None else "",
     )
+    return spec
 
 
-def kv_cache_part(
-    config: EngineConfig, cfg: ModelConfig, max_model_len: int, dtype: torch.dtype
-) -> MemoryPart | None:
-    """The KV cache when its size is fixed before loading (see the module docstring).
+def up_front_kv_spec(
+    config: EngineConfig, cfg: ModelConfig, max_model_len: int, dtype: torch.dtype, host: HostMemory
+) -> KVCacheSpec | None:
+    """The KV cache's spec when its size is fixed before loading: always on a CPU (the
+    default bounded by ``host``), on CUDA only with ``num_kv_blocks`` or ``kv_cache_bytes``.
 
     May raise ``kv_cache_spec``'s ``ConfigError``: a budget too small for one sequence.
     """
     sized_up_front = config.num_kv_blocks is not None or config.kv_cache_bytes is not None
     if torch.device(config.device).type == "cuda" and not sized_up_front:
         return None
-    spec = kv_cache_spec(config, cfg, max_model_len, dtype)
+    return kv_cache_spec(config, cfg, max_model_len, dtype, host=host)
+
+
+def kv_cache_part(config: EngineConfig, spec: KVCacheSpec) -> MemoryPart:
+    """The KV cache of ``spec`` (and its scratch block) as a part to check."""
     option = "num_kv_blocks" if config.num_kv_blocks is not None else "kv_cache_bytes"
     return MemoryPart(
         f"KV cache: {spec.num_blocks + 1} blocks of {spec.block_size} tokens",
@@ -205,6 +216,18 @@ def _length_field(cfg: ModelConfig) -> str:
     return "max_position_embeddings"
 
 
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The model's weights in ``dtype``: embedding, LM head, final norm and every layer."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return (_embedding_params(cfg) + cfg.num_layers * _layer_params(cfg)) * itemsize
+
+
+def _embedding_params(cfg: ModelConfig) -> int:
+    """Embedding and LM head (our model keeps its own even when the checkpoint ties it),
+    and the final norm."""
+    return 2 * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+
+
 def _layer_params(cfg: ModelConfig) -> int:
     """Parameters of one decoder layer: fused QKV (+ bias), output, fused gate/up, down,
     and the two norms."""
@@ -214,14 +237,21 @@ def _layer_params(cfg: ModelConfig) -> int:
     return qkv + q * cfg.hidden_size + mlp + 2 * cfg.hidden_size
 
 
-def format_bytes(num_bytes: int) -> str:
-    """``1.5 GiB``, ``4.0 TiB``: the largest binary unit that keeps the number above 1."""
-    value, unit = float(num_bytes), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        if value < 1024 or unit == "EiB":
-            break
-        value /= 1024
-    return f"{value:.1f} {unit}"
+def return_free_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``); False
+    where there is no glibc.
+
+    torch frees a CPU tensor into malloc, and glibc keeps what a thread freed in that
+    thread's arena: the default model's loading temporaries (~240 MiB) and, after
+    ``close()``, its weights (~600 MiB) stayed in the process's resident memory without it.
+    """
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
 
 
 def host_memory_available() -> int | None:

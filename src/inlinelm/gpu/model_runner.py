@@ -8,6 +8,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,13 +33,15 @@ from inlinelm.gpu.input_batch import InputBatch, IntArray, StepInputs
 from inlinelm.gpu.kernels import make_kernels
 from inlinelm.gpu.kv_cache import (
     GpuMemoryUse,
+    KVCacheSpec,
     allocate_kv_cache,
+    format_bytes,
     free_device_memory,
     kv_cache_spec,
     peak_memory_of,
 )
 from inlinelm.gpu.model_config import ModelConfig
-from inlinelm.gpu.model_memory import check_model_memory
+from inlinelm.gpu.model_memory import check_model_memory, return_free_heap
 from inlinelm.gpu.sampler import (
     Sampler,
     SamplerOutput,
@@ -73,20 +76,30 @@ def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     return config.max_model_len
 
 
-def check_model_fits(config: EngineConfig, folder: Path) -> tuple[ModelConfig, int]:
-    """The model's checked config and served context length, once what the runner would
-    allocate for them is known to fit this machine; reads config.json and the memory
-    counters only, so it runs before anything large exists.
+@dataclass(frozen=True, slots=True)
+class ModelFit:
+    """A model known to fit: its config, the context length served, and the KV cache's
+    spec when its size is fixed before loading (None: a CUDA runner measures it later)."""
+
+    model_config: ModelConfig
+    max_model_len: int
+    kv_spec: KVCacheSpec | None
+
+
+def check_model_fits(config: EngineConfig, folder: Path) -> ModelFit:
+    """The model's checked config, served context length and up-front KV cache spec, once
+    what the runner would allocate for them is known to fit this machine; reads
+    config.json and the memory counters only, so it runs before anything large exists.
 
     Raises ``ModelLoadError`` for a bad config.json or a model too big for the memory
     (naming the field), ``ConfigError`` for an engine option that does not fit.
     """
     cfg = ModelConfig.from_folder(folder)
     max_model_len = resolve_max_model_len(config, cfg)
-    check_model_memory(
+    kv_spec = check_model_memory(
         config, cfg, max_model_len, _DTYPES[config.model_dtype], folder / "config.json"
     )
-    return cfg, max_model_len
+    return ModelFit(cfg, max_model_len, kv_spec)
 
 
 class ModelRunner:
@@ -98,7 +111,8 @@ class ModelRunner:
         self.dtype = _DTYPES[config.model_dtype]
         # NOTE: first, so the first interval it measures ends by the first step.
         self.cpu_threads = CpuThreads(config.num_threads) if self.device.type == "cpu" else None
-        self.model_config, self.max_model_len = check_model_fits(config, folder)
+        fit = check_model_fits(config, folder)
+        self.model_config, self.max_model_len = fit.model_config, fit.max_model_len
         free_at_start = free_device_memory(self.device) if self.device.type == "cuda" else None
         # NOTE: one choice for attention and the model's other kernels: FlashInfer for all,
         # or torch for all (the torch path is the reference the device tests compare to).
@@ -126,7 +140,9 @@ class ModelRunner:
             kernels=make_kernels(self.kernels_kind),
         )
         self.sampler = Sampler(flashinfer_sampling(self.device))
-        self.kv_spec = kv_cache_spec(
+        # NOTE: the spec sized before loading, when there is one: the host memory it was
+        # bounded by is what the weights now hold.
+        self.kv_spec = fit.kv_spec or kv_cache_spec(
             config,
             self.model_config,
             self.max_model_len,
@@ -151,6 +167,8 @@ class ModelRunner:
         self._sampling = BatchSampling(
             config.max_num_seqs, self.model_config.vocab_size, self.device
         )
+        # Loading freed its temporaries (file reads, unpacked copies) into malloc's arenas.
+        return_free_heap()
 
     def _profile_gpu_memory(self, free_at_start: int | None) -> GpuMemoryUse | None:
         """On CUDA without an explicit cache size: measure what the weights hold and the
@@ -210,10 +228,12 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         spec = self.kv_spec
         logger.info(
-            "KV cache: %d blocks of %d tokens, %.1f MiB",
+            "KV cache: %d blocks of %d tokens = %s (%s)%s; set kv_cache_bytes= to change",
             spec.num_blocks,
             spec.block_size,
-            spec.num_blocks * spec.bytes_per_block / 2**20,
+            format_bytes(spec.num_blocks * spec.bytes_per_block),
+            spec.reason,
+            ", committed as it fills" if self.device.type == "cpu" else "",
         )
         # NOTE: one block more than the pool hands out: the scratch block that padding rows
         # of a graphed decode write to.
@@ -550,8 +570,9 @@ class ModelRunner:
         self._in_flight.clear()
 
     def close(self) -> None:
-        """Release the KV cache, the weights, the attention workspaces and the CUDA graphs
-        (when captured), so their device memory returns to the driver; idempotent.
+        """Release the KV cache, the weights, the attention workspaces, the sampling tables
+        and the CUDA graphs (when captured), so their device memory returns to the driver
+        and their host memory to the system; idempotent.
 
         A later runner in the same process starts from the same free memory, give or take
         the CUDA libraries' per-thread state (cuBLAS workspaces, loaded kernels).
@@ -563,13 +584,24 @@ class ModelRunner:
         for name in _RELEASED_ON_CLOSE:
             _close_part(self.__dict__.pop(name, None))
         # NOTE: modules and FlashInfer wrappers can sit in reference cycles; collect them
-        # before the allocator's cached blocks go back to the driver.
+        # before the allocator's cached blocks go back to the driver, and malloc's free
+        # pages to the system.
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        return_free_heap()
 
 
-_RELEASED_ON_CLOSE = ("kv_caches", "model", "backend", "sampler", "batch")
+_RELEASED_ON_CLOSE = (
+    "kv_caches",
+    "model",
+    "backend",
+    "sampler",
+    "batch",
+    "_sampling",
+    "_grammar_masks",
+    "_last_sampled",
+)
 """Runner attributes dropped by :meth:`ModelRunner.close` (each closed first if it can be);
 the decode graphs are released first, by ``_close_step_state``."""
 

@@ -114,8 +114,7 @@ def _check_model_fits(config: EngineConfig, folder: Path) -> ModelConfig | None:
     from inlinelm.gpu.model_runner import check_model_fits
 
     check_device(config.device)
-    model_config, _ = check_model_fits(config, folder)
-    return model_config
+    return check_model_fits(config, folder).model_config
 
 
 def _check_vocabulary(num_tokens: int, vocab_size: int, folder: Path) -> None:

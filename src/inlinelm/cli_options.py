@@ -71,7 +71,7 @@ ENGINE_HELP: dict[str, str] = {
     "grammar_cache_size": "compiled structured-output grammars kept, keyed by kind and text",
     "grammar_cache_bytes": "estimated memory of the compiled grammars kept (least recently used go first)",
     "default_max_tokens": "max_tokens of a request that sets none; default: the model's "
-    "generation_config max_new_tokens, else 1024",
+    "generation_config max_new_tokens, else 16 for a completion and 1024 for a chat",
     "default_temperature": "temperature of a request that sets none; default: the model's "
     "generation_config, else 0.7",
     "default_top_p": "top_p of a request that sets none; default: the model's generation_config, else 0.9",

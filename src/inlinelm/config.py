@@ -33,7 +33,16 @@ FALLBACK_SAMPLING: Mapping[str, Any] = {
 A request that leaves one of these fields unset gets, in order: the engine option
 ``default_<field>`` when given, the model's ``generation_config.json`` value (its
 ``max_new_tokens`` for ``max_tokens``), else this value. A moderate temperature with a
-nucleus cut gives coherent answers from small models, where 1.0 rambles."""
+nucleus cut gives coherent answers from small models, where 1.0 rambles. ``max_tokens``
+here is a chat's (an instruct model ends its turn well before; 1024 bounds a runaway answer,
+where the context would take minutes on a CPU); a completion's is
+``FALLBACK_COMPLETION_MAX_TOKENS``."""
+
+FALLBACK_COMPLETION_MAX_TOKENS = 16
+"""``max_tokens`` of a completion (a prompt, not a chat) that sets none, when neither the
+``default_max_tokens`` option nor the model's generation config says: vLLM's and OpenAI's
+completions default. A prompt has no end that a base model knows, so a forgotten
+``max_tokens`` costs a second, not the minutes 1024 tokens take on a CPU."""
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _BYTE_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i)?)?(b)?\s*", re.IGNORECASE)
@@ -196,11 +205,15 @@ class EngineConfig:
             )
         return replace(self, **options)
 
-    def sampling_defaults(self, model_defaults: Mapping[str, Any]) -> dict[str, Any]:
-        """The values a request's unset sampling fields take (see ``FALLBACK_SAMPLING``):
-        a ``default_*`` option when set, else ``model_defaults`` (from the model's
-        generation_config.json), else the fallback."""
+    def sampling_defaults(
+        self, model_defaults: Mapping[str, Any], *, chat: bool = True
+    ) -> dict[str, Any]:
+        """The values a chat's (or, ``chat=False``, a completion's) unset sampling fields
+        take (see ``FALLBACK_SAMPLING``): a ``default_*`` option when set, else
+        ``model_defaults`` (from the model's generation_config.json), else the fallback."""
         chosen = dict(FALLBACK_SAMPLING)
+        if not chat:
+            chosen["max_tokens"] = FALLBACK_COMPLETION_MAX_TOKENS
         chosen.update((k, v) for k, v in model_defaults.items() if k in FALLBACK_SAMPLING)
         for name in FALLBACK_SAMPLING:
             value = getattr(self, f"default_{name}")

@@ -4,6 +4,7 @@ else the model's generation_config.json, else the fallback; an unset ``max_token
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from inlinelm import SamplingParams
 from inlinelm.api.protocol import Limits, parse_chat
-from inlinelm.config import FALLBACK_SAMPLING
+from inlinelm.config import FALLBACK_COMPLETION_MAX_TOKENS, FALLBACK_SAMPLING
 from inlinelm.gpu.model_files import (
     DEFAULT_MODEL_GENERATION,
     default_model_path,
@@ -47,12 +48,28 @@ def test_an_http_chat_without_max_tokens_is_capped_not_run_to_the_context_end() 
     run(main())
 
 
+def test_a_completion_without_max_tokens_gets_16_as_in_vllm_and_openai() -> None:
+    # The README's notebook generate() set none and ran 1024 tokens a prompt (68 s).
+    async def main() -> None:
+        async with echo_engine() as engine:
+            out = await engine.stream("an echo that never ends", ignore_eos=True)
+            assert len(out.token_ids) == FALLBACK_COMPLETION_MAX_TOKENS == 16
+            assert engine.default_sampling_params().max_tokens == 16
+            assert engine.default_sampling_params(chat=True).max_tokens == 1024
+            outs = await asyncio.to_thread(
+                engine.generate, ["one", "two"], ignore_eos=True, use_tqdm=False
+            )
+            assert [len(o.outputs[0].token_ids) for o in outs] == [16, 16]
+
+    run(main())
+
+
 def test_the_default_max_tokens_is_cut_to_the_room_the_prompt_leaves() -> None:
     async def main() -> None:
         async with echo_engine(max_model_len=40) as engine:
-            prompt = "a prompt of a dozen or so tokens for the echo"
-            n = len(engine.tokenizer.encode(prompt))
-            out = await engine.stream(prompt, ignore_eos=True)
+            messages = [{"role": "user", "content": "a prompt of a dozen or so tokens"}]
+            n = len(engine.tokenizer.encode(engine.render_chat(messages)))
+            out = await engine.chat(messages, ignore_eos=True)
             assert len(out.token_ids) == 40 - n
 
     run(main())
@@ -64,7 +81,8 @@ def test_default_sampling_params_shows_the_fallback_and_options_win() -> None:
             defaults = engine.default_sampling_params()
             assert (defaults.temperature, defaults.top_k) == (0.0, 5)
             assert defaults.top_p == FALLBACK_SAMPLING["top_p"]
-            assert defaults.max_tokens == FALLBACK_SAMPLING["max_tokens"]
+            assert defaults.max_tokens == FALLBACK_COMPLETION_MAX_TOKENS
+            assert engine.default_sampling_params(chat=True).max_tokens == 1024
 
     run(main())
 

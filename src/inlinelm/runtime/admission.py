@@ -66,20 +66,30 @@ class Admission:
     tokenizer: Any
     vocab_size: int
     max_model_len: int
-    # What a request's unset sampling fields take (EngineConfig.sampling_defaults).
+    # What a chat's and a completion's unset sampling fields take
+    # (EngineConfig.sampling_defaults; they differ in the fallback max_tokens only).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    completion_defaults: dict[str, Any] = field(default_factory=dict)
 
-    def with_defaults(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """``params`` with its unset fields filled from ``sampling_defaults``; a default
-        ``max_tokens`` is cut to the room the prompt leaves (an explicit one is checked by
-        :meth:`check_lengths` instead)."""
+    def with_defaults(
+        self, params: SamplingParams, num_prompt_tokens: int, *, chat: bool = True
+    ) -> SamplingParams:
+        """``params`` with its unset fields filled from a chat's or a completion's defaults;
+        a default ``max_tokens`` is cut to the room the prompt leaves (an explicit one is
+        checked by :meth:`check_lengths` instead)."""
         if not params.unset_fields:
             return params
-        defaults = self.sampling_defaults
+        defaults = self.defaults(chat=chat)
         if "max_tokens" in params.unset_fields and "max_tokens" in defaults:
             room = max(1, self.max_model_len - num_prompt_tokens)
             defaults = {**defaults, "max_tokens": min(defaults["max_tokens"], room)}
         return params.with_defaults(defaults)
+
+    def defaults(self, *, chat: bool) -> dict[str, Any]:
+        """A chat's or a completion's defaults (the chat's when no completion's were given)."""
+        if chat or not self.completion_defaults:
+            return self.sampling_defaults
+        return self.completion_defaults
 
     def tokenize(
         self, prompt: str | list[int], add_special_tokens: bool, param: str = "prompt"

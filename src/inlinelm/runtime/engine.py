@@ -283,7 +283,8 @@ class Engine:
         caller leaves unset take the engine's defaults at submit: the model's
         generation_config.json and the ``default_*`` options (see
         :meth:`default_sampling_params`); an unset ``max_tokens`` is ``default_max_tokens``
-        (1024 unless the model or the option says otherwise), never the whole context.
+        when set, else the model's, else 16 (vLLM's and OpenAI's completions default; a chat's
+        is 1024), never the whole context.
 
         When the engine is started, validation, admission and the hand-over to the engine
         happen here, so ``RequestError``/``QueueFullError``/``EngineError`` raise at once;
@@ -343,7 +344,7 @@ class Engine:
         if self.is_ready and inline:
             loaded = self._require_loaded()
             prompt_ids = self._tokenize(loaded, source)
-            stream._attach(self._submit(loaded, prompt_ids, params, rid, arrival, source.param))
+            stream._attach(self._submit(loaded, prompt_ids, params, rid, arrival, source))
         return stream
 
     def render_chat(
@@ -360,13 +361,14 @@ class Engine:
             raise RequestError(f"cannot apply the chat template: {e}", param="messages") from e
         return str(text)
 
-    def default_sampling_params(self) -> SamplingParams:
-        """The values this engine gives a request's unset sampling fields (max_tokens,
-        temperature, top_p, top_k, min_p, repetition_penalty): the ``default_*`` options
-        when set, else the model's generation_config.json, else ``FALLBACK_SAMPLING``.
-        An unset ``max_tokens`` is also cut to the room the prompt leaves in the context.
-        Available once started."""
-        return SamplingParams(**self._require_loaded().admission.sampling_defaults)
+    def default_sampling_params(self, *, chat: bool = False) -> SamplingParams:
+        """The values this engine gives a completion's (``chat=True``: a chat's) unset
+        sampling fields (max_tokens, temperature, top_p, top_k, min_p,
+        repetition_penalty): the ``default_*`` options when set, else the model's
+        generation_config.json, else ``FALLBACK_SAMPLING`` (whose max_tokens is a chat's;
+        a completion's is ``FALLBACK_COMPLETION_MAX_TOKENS``, 16). An unset ``max_tokens``
+        is also cut to the room the prompt leaves in the context. Available once started."""
+        return SamplingParams(**self._require_loaded().admission.defaults(chat=chat))
 
     def generate(
         self,
@@ -449,7 +451,7 @@ class Engine:
             # here, and the engine thread only ever sees a probed one. A cancelled wait (the
             # client left) stops the compile when nobody else waits for it.
             grammar = await asyncio.wrap_future(loaded.grammars.submit(params.structured))
-        return self._submit(loaded, prompt_ids, params, rid, arrival, source.param, grammar)
+        return self._submit(loaded, prompt_ids, params, rid, arrival, source, grammar)
 
     def _tokenize(self, loaded: LoadedEngine, source: PromptSource) -> list[int]:
         admit_count(self.config, self._handle)  # NOTE: a full queue refuses before tokenizing
@@ -508,15 +510,15 @@ class Engine:
         params: SamplingParams,
         rid: str,
         arrival: float,
-        param: str,
+        source: PromptSource,
         grammar: CompiledGrammar | None = None,
     ) -> Submission:
         """Admit a tokenized request and hand it to the engine thread (on the caller's loop);
         with ``grammar``, each choice gets its own matcher."""
         self._check_usable()
         admit_count(self.config, self._handle)
-        params = loaded.admission.with_defaults(params, len(prompt_ids))
-        loaded.admission.check_lengths(prompt_ids, params, param)
+        params = loaded.admission.with_defaults(params, len(prompt_ids), chat=source.is_chat)
+        loaded.admission.check_lengths(prompt_ids, params, source.param)
         admit_tokens(self.config, self._handle, len(prompt_ids))
         loop = asyncio.get_running_loop()
         bridge = self._loop_bridge(loop)

@@ -75,7 +75,12 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
     logger.info("tokenizer loaded in %.2f s", time.perf_counter() - start)
     eos = tokenizer.eos_token_id
     defaults = config.sampling_defaults(files.generation)
-    logger.info("sampling defaults for unset request fields: %s", defaults)
+    completion_defaults = config.sampling_defaults(files.generation, chat=False)
+    logger.info(
+        "sampling defaults for unset request fields: %s (a completion's max_tokens: %s)",
+        defaults,
+        completion_defaults["max_tokens"],
+    )
     runner, max_model_len, vocab_size, overlaps = _build_runner(config, files.folder, eos)
     # NOTE: a runner that computes on the engine thread (the CPU model) gains nothing from
     # the pipelined loop, so it keeps the plain one.
@@ -95,7 +100,7 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
         runner.num_kv_blocks,
         config.block_size,
     )
-    admission = Admission(tokenizer, vocab_size, max_model_len, defaults)
+    admission = Admission(tokenizer, vocab_size, max_model_len, defaults, completion_defaults)
     grammars = GrammarCompiler(
         lambda: TokenizerSource.from_hf(tokenizer),
         num_slots=config.grammar_compile_threads,

@@ -22,6 +22,11 @@ class PromptSource:
     # worker thread.
     size: int
 
+    @property
+    def is_chat(self) -> bool:
+        """Rendered from messages (a chat), not the caller's prompt (a completion)."""
+        return self.param == "messages"
+
 
 def chat_size(
     messages: Sequence[dict[str, Any]],

@@ -14,8 +14,8 @@ import pytest
 from inlinelm import SamplingParams
 from inlinelm.api.protocol import Limits, parse_chat
 from inlinelm.config import FALLBACK_COMPLETION_MAX_TOKENS, FALLBACK_SAMPLING
+from inlinelm.gpu.gguf_convert import DEFAULT_MODEL_GENERATION
 from inlinelm.gpu.model_files import (
-    DEFAULT_MODEL_GENERATION,
     default_model_path,
     generation_defaults,
     resolve_model,

@@ -16,7 +16,6 @@ import torch
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.gguf_header import SUPPORTED_GGUF_ARCHS, check_metadata, open_gguf
 from inlinelm.gpu.model_config import ModelConfig, parse_config
-from inlinelm.gpu.model_files import DEFAULT_MODEL_GENERATION
 from inlinelm.gpu.model_memory import format_bytes, host_memory_available
 from inlinelm.progress import progress_bar
 
@@ -52,6 +51,10 @@ _SAMPLING_KEYS = {
     "general.sampling.min_p": "min_p",
     "general.sampling.penalty_repeat": "repetition_penalty",
 }
+
+DEFAULT_MODEL_GENERATION: Mapping[str, Any] = {"temperature": 0.2, "top_p": 0.9}
+"""Sampling defaults of the default model: its model card's (its GGUF carries none). Its
+file gets them however it is named, ``"default"`` or its path."""
 
 MODEL_CARD_SAMPLING: Mapping[tuple[str, str, str, str], Mapping[str, Any]] = {
     # SmolLM2-135M-Instruct, the default model

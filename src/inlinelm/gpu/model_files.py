@@ -43,10 +43,6 @@ _TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "ad
 # 3: else from the model card of a known model (gguf_convert.MODEL_CARD_SAMPLING).
 _FORMAT_VERSION = "3"
 
-DEFAULT_MODEL_GENERATION: Mapping[str, Any] = {"temperature": 0.2, "top_p": 0.9}
-"""Sampling defaults of the default model: its model card's (the GGUF carries none). Its
-file gets them however it is named, ``"default"`` or its path (see ``MODEL_CARD_SAMPLING``)."""
-
 # generation_config.json key -> SamplingParams field
 _GENERATION_KEYS = {
     "temperature": "temperature",

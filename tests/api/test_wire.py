@@ -9,8 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from httpx_sse import connect_sse
 from inlinelm.api import create_app
 from inlinelm.config import EngineConfig
 from tests.api.conftest import ECHO, ServerThread, serve
+from tests.test_cli import _wait_until_serving
 
 GOLDEN = Path(__file__).parent / "golden"
 USER = [{"role": "user", "content": "Tell me a story"}]
@@ -232,18 +232,24 @@ def test_an_error_after_the_200_is_an_error_event_then_done() -> None:
     config = ECHO.with_options(echo_step_s=0.02)
     app = create_app(config)
     for server in serve(app):
-        body = {"prompt": "x y", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with (
-            httpx.Client(timeout=30) as client,
-            connect_sse(client, "POST", f"{server.url}/v1/completions", json=body) as source,
-        ):
-            events = source.iter_sse()
-            next(events)  # the stream has started: the 200 is sent
-            app.state.engine.close()  # its owner closes it mid-stream (any thread may)
-            data = [e.data for e in events]
+        # its owner closes the engine mid-stream (any thread may)
+        data = _stream_stopped_midway(server.url, app.state.engine.close)
         assert data[-1] == "[DONE]"
         error = json.loads(data[-2])["error"]
         assert error["code"] == "engine_closed" and error["type"] == "server_error"
+
+
+def _stream_stopped_midway(url: str, stop: Callable[[], object]) -> list[str]:
+    """The data of a long completion stream's events, ``stop()`` called once it started."""
+    body = {"prompt": "x y", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(timeout=30) as client,
+        connect_sse(client, "POST", f"{url}/v1/completions", json=body) as source,
+    ):
+        events = source.iter_sse()
+        next(events)  # the stream has started: the 200 is sent
+        stop()
+        return [e.data for e in events]
 
 
 SLOW_APP = """
@@ -266,16 +272,8 @@ def test_a_stopping_server_ends_open_streams_with_an_error_event_then_done(
     process = subprocess.Popen([*command, "--port", str(port)], stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_for_health(url, process)
-        body = {"prompt": "x y", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with (
-            httpx.Client(timeout=30) as client,
-            connect_sse(client, "POST", f"{url}/v1/completions", json=body) as source,
-        ):
-            events = source.iter_sse()
-            next(events)  # the stream has started: the 200 is sent
-            process.send_signal(signal.SIGINT)
-            data = [e.data for e in events]
+        _wait_until_serving(url, process, timeout=120)
+        data = _stream_stopped_midway(url, lambda: process.send_signal(signal.SIGINT))
         # 1000 tokens at 50 ms would take 50 s: the stream was ended, not finished.
         assert data[-1] == "[DONE]" and len(data) < 200, data[-3:]
         error = json.loads(data[-2])["error"]
@@ -292,15 +290,3 @@ def test_a_stopping_server_ends_open_streams_with_an_error_event_then_done(
             process.communicate()
     assert process.returncode == 0, stderr
     assert "Application shutdown complete" in stderr
-
-
-def _wait_for_health(url: str, process: subprocess.Popen[str], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "the server exited"
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise AssertionError("the server did not start")

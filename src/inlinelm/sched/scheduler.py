@@ -40,6 +40,7 @@ from inlinelm.sched.output import (
     TokenLogprobs,
 )
 from inlinelm.sched.request import Request, RequestStatus
+from inlinelm.sched.stop_checks import check_stop
 from inlinelm.sched.waiting_queue import WaitingQueue
 
 
@@ -60,7 +61,8 @@ class _Budget:
 
 
 class Scheduler:
-    """Waiting and running queues, the KV cache manager, and the finish checks."""
+    """Waiting and running queues, the KV cache manager, and applying each step's tokens
+    (when one ends a request: :func:`~inlinelm.sched.stop_checks.check_stop`)."""
 
     def __init__(
         self,
@@ -359,7 +361,7 @@ class Scheduler:
             None if out.logprobs is None else _logprobs_at(out, index),
             request.num_cached_tokens,
         )
-        reason = self._check_stop(request, token_id)
+        reason = check_stop(request, token_id, self.max_model_len)
         if reason is not None:
             if reason is FinishReason.ERROR and request.grammar is not None:
                 output.error = (
@@ -370,32 +372,6 @@ class Scheduler:
             output.finish_reason = reason
             output.stop_reason = request.stop_reason
         return output
-
-    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
-        """The grammar (a refused token fails the request; EOS after a complete output
-        stops it, whatever ``min_tokens`` or ``ignore_eos`` say), EOS and stop tokens (not
-        among the first ``min_tokens``), then the length caps."""
-        params = request.params
-        grammar = request.grammar
-        num_output = len(request.output_token_ids)  # NOTE: len(), not properties: hot path
-        if grammar is not None:
-            # NOTE: a complete output is not finished on its last token but on the EOS its
-            # mask then forces, so the last token's text is shown and EOS is not.
-            if not grammar.accept(token_id):
-                return FinishReason.ERROR
-            if token_id == request.eos_token_id and grammar.is_stopped:
-                return FinishReason.STOP
-        if num_output > params.min_tokens:
-            if token_id == request.eos_token_id and not params.ignore_eos:
-                return FinishReason.STOP
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return FinishReason.STOP
-        if params.max_tokens is not None and num_output >= params.max_tokens:
-            return FinishReason.LENGTH
-        if len(request.all_token_ids) >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Mark ``request`` finished, free its blocks and forget it (running is filtered later)."""

@@ -8,7 +8,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,6 @@ import numpy.typing as npt
 import torch
 
 from inlinelm.config import EngineConfig
-from inlinelm.errors import ConfigError
 from inlinelm.gpu.attention import AttentionMetadata
 from inlinelm.gpu.attention_backends import make_attention_backend, select_attention_backend
 from inlinelm.gpu.batch_sampling import BatchSampling
@@ -33,15 +31,14 @@ from inlinelm.gpu.input_batch import InputBatch, IntArray, StepInputs
 from inlinelm.gpu.kernels import make_kernels
 from inlinelm.gpu.kv_cache import (
     GpuMemoryUse,
-    KVCacheSpec,
     allocate_kv_cache,
     format_bytes,
     free_device_memory,
     kv_cache_spec,
     peak_memory_of,
 )
-from inlinelm.gpu.model_config import ModelConfig
-from inlinelm.gpu.model_memory import check_model_memory, return_free_heap
+from inlinelm.gpu.model_fit import DTYPES, check_model_fits
+from inlinelm.gpu.model_memory import return_free_heap
 from inlinelm.gpu.sampler import (
     Sampler,
     SamplerOutput,
@@ -58,49 +55,6 @@ from inlinelm.sched.request import Request
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
-    """The context length served: the engine option, capped by the model's own limits."""
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window is not None:
-        limit = min(limit, cfg.sliding_window)
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ConfigError(
-            f"max_model_len {config.max_model_len} exceeds the model's limit {limit}",
-            option="max_model_len",
-        )
-    return config.max_model_len
-
-
-@dataclass(frozen=True, slots=True)
-class ModelFit:
-    """A model known to fit: its config, the context length served, and the KV cache's
-    spec when its size is fixed before loading (None: a CUDA runner measures it later)."""
-
-    model_config: ModelConfig
-    max_model_len: int
-    kv_spec: KVCacheSpec | None
-
-
-def check_model_fits(config: EngineConfig, folder: Path) -> ModelFit:
-    """The model's checked config, served context length and up-front KV cache spec, once
-    what the runner would allocate for them is known to fit this machine; reads
-    config.json and the memory counters only, so it runs before anything large exists.
-
-    Raises ``ModelLoadError`` for a bad config.json or a model too big for the memory
-    (naming the field), ``ConfigError`` for an engine option that does not fit.
-    """
-    cfg = ModelConfig.from_folder(folder)
-    max_model_len = resolve_max_model_len(config, cfg)
-    kv_spec = check_model_memory(
-        config, cfg, max_model_len, _DTYPES[config.model_dtype], folder / "config.json"
-    )
-    return ModelFit(cfg, max_model_len, kv_spec)
-
 
 class ModelRunner:
     """Loads the model, owns the paged KV cache and the persistent batch, runs steps."""
@@ -108,7 +62,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, folder: Path) -> None:
         self.config = config
         self.device = runner_device(config.device)
-        self.dtype = _DTYPES[config.model_dtype]
+        self.dtype = DTYPES[config.model_dtype]
         # NOTE: first, so the first interval it measures ends by the first step.
         self.cpu_threads = CpuThreads(config.num_threads) if self.device.type == "cpu" else None
         fit = check_model_fits(config, folder)

@@ -116,7 +116,7 @@ def _check_model_fits(config: EngineConfig, folder: Path) -> ModelConfig | None:
     echo runner, which loads no weights."""
     if config.runner == "echo":
         return None
-    from inlinelm.gpu.model_runner import check_model_fits
+    from inlinelm.gpu.model_fit import check_model_fits
 
     check_device(config.device)
     return check_model_fits(config, folder).model_config

@@ -1,0 +1,59 @@
+"""Whether a model fits before anything large exists: its config, the context length
+served, the memory the runner would take (weights, KV cache, activations)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inlinelm.config import EngineConfig
+from inlinelm.errors import ConfigError
+from inlinelm.gpu.kv_cache import KVCacheSpec
+from inlinelm.gpu.model_config import ModelConfig
+from inlinelm.gpu.model_memory import check_model_memory
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""torch dtypes by the names the config takes."""
+
+
+def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
+    """The context length served: the engine option, capped by the model's own limits."""
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window is not None:
+        limit = min(limit, cfg.sliding_window)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ConfigError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit {limit}",
+            option="max_model_len",
+        )
+    return config.max_model_len
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFit:
+    """A model known to fit: its config, the context length served, and the KV cache's
+    spec when its size is fixed before loading (None: a CUDA runner measures it later)."""
+
+    model_config: ModelConfig
+    max_model_len: int
+    kv_spec: KVCacheSpec | None
+
+
+def check_model_fits(config: EngineConfig, folder: Path) -> ModelFit:
+    """The model's checked config, served context length and up-front KV cache spec, once
+    what the runner would allocate for them is known to fit this machine; reads
+    config.json and the memory counters only, so it runs before anything large exists.
+
+    Raises ``ModelLoadError`` for a bad config.json or a model too big for the memory
+    (naming the field), ``ConfigError`` for an engine option that does not fit.
+    """
+    cfg = ModelConfig.from_folder(folder)
+    max_model_len = resolve_max_model_len(config, cfg)
+    kv_spec = check_model_memory(
+        config, cfg, max_model_len, DTYPES[config.model_dtype], folder / "config.json"
+    )
+    return ModelFit(cfg, max_model_len, kv_spec)

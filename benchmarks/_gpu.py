@@ -208,7 +208,7 @@ def write_random_model(folder: Path, config: dict[str, Any], dtype: Any, seed: i
 
 @contextlib.contextmanager
 def random_weights(std: float = 0.02, seed: int = 0) -> Iterator[None]:
-    """Make ``inlinelm.gpu.weights.load_model`` fill the model with random values on its
+    """Make ``inlinelm.gpu.loading.weights.load_model`` fill the model with random values on its
     device instead of reading safetensors (an 8B model's 16 GB need no file).
 
     Every parameter of the built model gets N(0, std), norm weights 1; the rest of
@@ -216,7 +216,7 @@ def random_weights(std: float = 0.02, seed: int = 0) -> Iterator[None]:
     """
     import torch
 
-    from inlinelm.gpu import weights
+    from inlinelm.gpu.loading import weights
 
     def fill(folder: Path, cfg: Any, params: dict[str, torch.Tensor]) -> set[Any]:
         generator = torch.Generator(next(iter(params.values())).device).manual_seed(seed)

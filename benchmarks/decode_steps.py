@@ -13,7 +13,7 @@ import time
 import torch
 
 from inlinelm.config import EngineConfig
-from inlinelm.gpu.model_files import resolve_model
+from inlinelm.gpu.loading.model_files import resolve_model
 from inlinelm.gpu.model_runner import ModelRunner
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.request import Request

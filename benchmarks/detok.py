@@ -28,7 +28,7 @@ from inlinelm.detok import (
     SlowIncrementalDetokenizer,
     make_detokenizer,
 )
-from inlinelm.gpu.model_files import resolve_model
+from inlinelm.gpu.loading.model_files import resolve_model
 
 PROMPT = "<|im_start|>user\nHow do I sort a list in Python?<|im_end|>\n<|im_start|>assistant\n"
 

@@ -346,7 +346,7 @@ def main() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     from transformers import AutoTokenizer
 
-    from inlinelm.gpu.model_files import resolve_model
+    from inlinelm.gpu.loading.model_files import resolve_model
 
     folder = resolve_model("default").folder
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

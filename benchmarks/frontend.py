@@ -76,7 +76,8 @@ from inlinelm.runtime.collector import RequestOutputCollector
 from inlinelm.runtime.engine import Engine
 from inlinelm.runtime.stream import RequestStream, Submission
 from inlinelm.sampling_params import SamplingParams
-from inlinelm.sched.output import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from inlinelm.sched.output import EngineCoreOutput, EngineCoreOutputs
+from inlinelm.sched.request import FinishReason
 
 TARGET_US = 6.0
 ENCODERS = ("stdlib", "orjson")

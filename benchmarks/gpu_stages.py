@@ -312,7 +312,7 @@ def warm_kernels() -> dict[str, float]:
     """RMSNorm, fused add + RMSNorm, SiLU-and-mul and RoPE once each (SmolLM2's sizes)."""
     import torch
 
-    from inlinelm.gpu.kernels import FlashInferKernels
+    from inlinelm.gpu.model.kernels import FlashInferKernels
 
     t0 = time.perf_counter()
     device, dtype, tokens = torch.device("cuda"), torch.bfloat16, 7
@@ -334,7 +334,7 @@ def warm_sampling() -> dict[str, float]:
     """Each sampling kernel the sampler calls, once."""
     import torch
 
-    from inlinelm.gpu.sampler import FlashInferSampling
+    from inlinelm.gpu.sampling.sampler import FlashInferSampling
 
     t0 = time.perf_counter()
     probs = torch.softmax(torch.randn(4, 49152, device="cuda"), dim=-1)
@@ -351,8 +351,8 @@ def warm_shape(heads: int, kv_heads: int, head_dim: int) -> dict[str, float]:
     """One prefill (2 sequences, 20 and 5 tokens) and one decode step; seconds for each."""
     import torch
 
-    from inlinelm.gpu.attention import AttentionMetadata
-    from inlinelm.gpu.flashinfer_backend import FlashInferAttention
+    from inlinelm.gpu.attention.flashinfer_backend import FlashInferAttention
+    from inlinelm.gpu.attention.metadata import AttentionMetadata
 
     device, dtype, page = torch.device("cuda"), torch.bfloat16, 16
     backend = FlashInferAttention(heads, kv_heads, head_dim, dtype, device)

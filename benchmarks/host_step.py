@@ -105,7 +105,7 @@ def sampler_host_seconds(runner: Any, params: Any, vocab: int) -> float:
     """The sampler's call on one row with the same settings: its host side, kernels ~free."""
     import torch
 
-    from inlinelm.gpu.sampling_metadata import SamplingMetadata
+    from inlinelm.gpu.sampling.metadata import SamplingMetadata
 
     prompt = [3 + j % (vocab - 3) for j in range(PROMPT_LEN)]
     meta = SamplingMetadata.build([params], [prompt], [[5, 6]], [None], vocab, torch.device("cpu"))

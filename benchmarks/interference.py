@@ -276,8 +276,8 @@ def engine_alone(args: argparse.Namespace, loop: str, batch: int, tokenizer: Any
     runner's own Python per step).
     """
     from inlinelm.gpu.echo_runner import EchoRunner
-    from inlinelm.runtime.engine_core import EngineCore
     from inlinelm.sampling_params import SamplingParams
+    from inlinelm.sched.engine_core import EngineCore
     from inlinelm.sched.request import Request
 
     config = engine_config(args, loop)

@@ -17,10 +17,10 @@ CHILD = r"""
 import time, torch
 t0 = time.perf_counter()
 from transformers import AutoTokenizer
-from inlinelm.gpu.attention import TorchAttention
-from inlinelm.gpu.model_config import ModelConfig
-from inlinelm.gpu.model_files import resolve_model
-from inlinelm.gpu.weights import load_model
+from inlinelm.gpu.attention.torch_backend import TorchAttention
+from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.loading.model_files import resolve_model
+from inlinelm.gpu.loading.weights import load_model
 t1 = time.perf_counter()
 folder = resolve_model("default").folder
 t2 = time.perf_counter()

@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 import inlinelm.detok
 from _common import answer_ids, load_average, pyplot, save_plot, write_json
 from inlinelm.detok import FastIncrementalDetokenizer, StopStrings
-from inlinelm.gpu.model_files import resolve_model
+from inlinelm.gpu.loading.model_files import resolve_model
 
 SHORT = ["\n\nUser:", "</answer>", "```end", "<|im_end|>"]
 OTHER = "the quick brown fox, jumps over: a lazy dog. Stop; (then) 'go' on! "

@@ -19,10 +19,10 @@ import torch
 from transformers import AutoTokenizer
 
 from _common import load_average, median, write_json
-from inlinelm.gpu.grammar_mask import GrammarMasks, apply_token_bitmask
-from inlinelm.gpu.model_files import resolve_model
-from inlinelm.gpu.sampler import Sampler
-from inlinelm.gpu.sampling_metadata import SamplingMetadata
+from inlinelm.gpu.loading.model_files import resolve_model
+from inlinelm.gpu.sampling.grammar_mask import GrammarMasks, apply_token_bitmask
+from inlinelm.gpu.sampling.metadata import SamplingMetadata
+from inlinelm.gpu.sampling.sampler import Sampler
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.structured import StructuredOutput
 from inlinelm.structured.compiler import GrammarCompiler

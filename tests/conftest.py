@@ -41,7 +41,7 @@ def tokenizer_folder(default_model_installed: bool, default_model: Callable[[], 
 
 
 def _default_model_folder() -> Path:
-    from inlinelm.gpu.model_files import resolve_model
+    from inlinelm.gpu.loading.model_files import resolve_model
 
     return resolve_model("default").folder
 

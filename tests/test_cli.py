@@ -34,7 +34,7 @@ from inlinelm.cli import (
 from inlinelm.cli_options import ENGINE_HELP
 from inlinelm.config import EngineConfig
 from tests.conftest import TOKENIZER_FILES
-from tests.gpu.bad_gguf import tiny_gguf_parts, write_gguf
+from tests.gpu.loading.bad_gguf import tiny_gguf_parts, write_gguf
 
 
 def test_every_engine_option_is_a_documented_flag() -> None:

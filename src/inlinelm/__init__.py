@@ -4,7 +4,7 @@
 event loop; ``inlinelm.api`` serves it as an OpenAI-compatible Starlette router.
 
 Logging: inlinelm logs on the ``inlinelm`` logger (and its children, such as
-``inlinelm.gpu.model_files``) and configures no handler itself. To see the model being
+``inlinelm.gpu.loading.model_files``) and configures no handler itself. To see the model being
 converted and loaded, the KV-cache size and the sampling defaults::
 
     import logging
@@ -30,7 +30,12 @@ from inlinelm.errors import (
     SlowConsumerError,
 )
 from inlinelm.runtime.engine import Engine
-from inlinelm.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from inlinelm.runtime.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprobs,
+)
 from inlinelm.runtime.stream import RequestStream
 from inlinelm.sampling_params import OutputKind, SamplingParams
 
@@ -53,4 +58,5 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "SlowConsumerError",
+    "TokenLogprobs",
 ]

@@ -19,7 +19,7 @@ from pathlib import Path
 from inlinelm.cli_options import api_key, edge_limits, engine_config
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
-from inlinelm.gpu.model_files import check_model, check_tokenizer_files, default_model_path
+from inlinelm.gpu.loading.model_files import check_model, check_tokenizer_files, default_model_path
 
 MAX_PORT = 65535
 

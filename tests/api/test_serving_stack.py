@@ -28,7 +28,7 @@ from inlinelm.api.responses import ResponseHeader, TokenTexts, chat_logprobs, co
 from inlinelm.api.sse import TextFrame, encode, frame
 from inlinelm.cli import main
 from inlinelm.config import EngineConfig
-from inlinelm.sched.output import TokenLogprobs
+from inlinelm.runtime.outputs import TokenLogprobs
 from tests.api.conftest import ECHO
 from tests.runtime.helpers import assert_drained, echo_engine, echo_text
 

@@ -25,8 +25,7 @@ from inlinelm.api.sse import (
     merge_streams,
 )
 from inlinelm.errors import SlowConsumerError
-from inlinelm.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from inlinelm.sched.output import TokenLogprobs
+from inlinelm.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 
 
 class FakeTokenizer:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from inlinelm.gpu.llama import LlamaForCausalLM
+from inlinelm.gpu.model.llama import LlamaForCausalLM
 from tests.gpu.reference import PROMPTS, load_ours, load_reference, reference_greedy
 
 REFERENCE_NEW_TOKENS = 32

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inlinelm.gpu.attention import AttentionBackend, AttentionMetadata
+from inlinelm.gpu.attention.metadata import AttentionBackend, AttentionMetadata
 
 CPU = torch.device("cpu")
 

@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
-from inlinelm.gpu.attention import AttentionMetadata, TorchAttention
-from inlinelm.gpu.llama import LlamaForCausalLM
-from inlinelm.gpu.model_config import ModelConfig
-from inlinelm.gpu.weights import load_model
+from inlinelm.gpu.attention.metadata import AttentionMetadata
+from inlinelm.gpu.attention.torch_backend import TorchAttention
+from inlinelm.gpu.loading.weights import load_model
+from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.model.llama import LlamaForCausalLM
 
 BLOCK_SIZE = 16
 PROMPTS = [

@@ -26,7 +26,7 @@ from inlinelm.gpu.kv_cache import (
     kv_cache_spec,
     write_kv,
 )
-from inlinelm.gpu.model_config import ModelConfig
+from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model_memory import weight_bytes
 
 MiB, GiB = 2**20, 2**30

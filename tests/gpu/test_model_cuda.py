@@ -12,8 +12,9 @@ import torch
 
 from inlinelm import Engine, SamplingParams
 from inlinelm.config import EngineConfig
-from inlinelm.gpu.attention import AttentionMetadata, TorchAttention
-from inlinelm.gpu.kernels import TorchKernels
+from inlinelm.gpu.attention.metadata import AttentionMetadata
+from inlinelm.gpu.attention.torch_backend import TorchAttention
+from inlinelm.gpu.model.kernels import TorchKernels
 from inlinelm.gpu.model_runner import ModelRunner
 from tests.conftest import make_tiny_model
 from tests.gpu.reference import PROMPTS, load_ours, prefill_logits

@@ -14,9 +14,9 @@ import torch
 from inlinelm import Engine
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError, ModelLoadError
-from inlinelm.gpu.attention import TorchAttention
-from inlinelm.gpu.llama import LlamaForCausalLM
-from inlinelm.gpu.model_config import ModelConfig, parse_config
+from inlinelm.gpu.attention.torch_backend import TorchAttention
+from inlinelm.gpu.model.config import ModelConfig, parse_config
+from inlinelm.gpu.model.llama import LlamaForCausalLM
 from inlinelm.gpu.model_memory import (
     MemoryPart,
     check_fits,

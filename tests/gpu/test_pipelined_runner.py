@@ -14,10 +14,11 @@ import pytest
 
 from inlinelm.config import EngineConfig
 from inlinelm.gpu.model_runner import ModelRunner
-from inlinelm.runtime.engine_core import EngineCore
 from inlinelm.sampling_params import SamplingParams
-from inlinelm.sched.output import EngineCoreOutputs, PipelinedRunner, SchedulerOutput
+from inlinelm.sched.engine_core import EngineCore
+from inlinelm.sched.output import EngineCoreOutputs, SchedulerOutput
 from inlinelm.sched.request import Request
+from inlinelm.sched.runner import PipelinedRunner
 from inlinelm.sched.scheduler import Scheduler
 from tests.gpu.reference import PROMPTS
 from tests.gpu.test_model_runner import run_to_completion

@@ -21,15 +21,15 @@ import torch
 from inlinelm.config import EngineConfig
 from inlinelm.gpu import staging as staging_module
 from inlinelm.gpu.model_runner import ModelRunner
-from inlinelm.gpu.sampler import Sampler
+from inlinelm.gpu.sampling.sampler import Sampler
 from inlinelm.gpu.staging import HostStaging
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.request import Request
 from inlinelm.sched.scheduler import Scheduler
 from tests.gpu.reference import PROMPTS
+from tests.gpu.sampling.test_sampler import FakeKernel
 from tests.gpu.test_model_runner import run_to_completion
 from tests.gpu.test_pipelined_runner import run_pipelined
-from tests.gpu.test_sampler import FakeKernel
 
 CPU = torch.device("cpu")
 

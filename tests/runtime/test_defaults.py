@@ -14,8 +14,8 @@ import pytest
 from inlinelm import SamplingParams
 from inlinelm.api.protocol import Limits, parse_chat
 from inlinelm.config import FALLBACK_COMPLETION_MAX_TOKENS, FALLBACK_SAMPLING
-from inlinelm.gpu.gguf_convert import DEFAULT_MODEL_GENERATION
-from inlinelm.gpu.model_files import (
+from inlinelm.gpu.loading.gguf_convert import DEFAULT_MODEL_GENERATION
+from inlinelm.gpu.loading.model_files import (
     default_model_path,
     generation_defaults,
     resolve_model,
@@ -169,7 +169,7 @@ def test_the_default_models_file_by_its_path_samples_as_by_its_name() -> None:
 def test_a_model_card_applies_only_to_the_file_it_names(tmp_path: Path) -> None:
     import gguf
 
-    from inlinelm.gpu.gguf_convert import MODEL_CARD_SAMPLING, _identity
+    from inlinelm.gpu.loading.gguf_convert import MODEL_CARD_SAMPLING, _identity
 
     (organization, basename, size, _finetune), card = next(iter(MODEL_CARD_SAMPLING.items()))
     assert card == DEFAULT_MODEL_GENERATION
@@ -190,7 +190,7 @@ def test_a_model_card_applies_only_to_the_file_it_names(tmp_path: Path) -> None:
 def test_gguf_sampling_keys_become_a_generation_config(tmp_path: Path) -> None:
     import gguf
 
-    from inlinelm.gpu.gguf_convert import _sampling_fields
+    from inlinelm.gpu.loading.gguf_convert import _sampling_fields
 
     path = tmp_path / "sampling.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")

@@ -12,7 +12,7 @@ import torch
 from inlinelm import ConfigError, Engine, RequestError, SamplingParams
 from inlinelm.config import EngineConfig
 from inlinelm.gpu.kv_cache import kv_cache_spec
-from inlinelm.gpu.model_config import ModelConfig
+from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.runtime.loader import check_device
 from tests.runtime.helpers import echo_engine, run
 

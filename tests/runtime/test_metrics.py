@@ -10,7 +10,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from inlinelm.sched.output import ModelRunnerOutput
+from inlinelm.sched.runner import ModelRunnerOutput
 from tests.runtime.helpers import (
     WAIT_S,
     assert_drained,

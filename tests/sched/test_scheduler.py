@@ -13,13 +13,9 @@ from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.echo_runner import EchoRunner
 from inlinelm.sampling_params import SamplingParams
-from inlinelm.sched.output import (
-    EngineCoreOutput,
-    FinishReason,
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
-from inlinelm.sched.request import Request, RequestStatus
+from inlinelm.sched.output import EngineCoreOutput, SchedulerOutput
+from inlinelm.sched.request import FinishReason, Request, RequestStatus
+from inlinelm.sched.runner import ModelRunnerOutput
 from inlinelm.sched.scheduler import Scheduler
 
 EOS = 2

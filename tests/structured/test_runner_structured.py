@@ -15,8 +15,8 @@ import pytest
 from inlinelm.config import EngineConfig
 from inlinelm.gpu.model_runner import ModelRunner
 from inlinelm.sampling_params import SamplingParams
-from inlinelm.sched.output import FinishReason, ModelRunnerOutput
-from inlinelm.sched.request import Request
+from inlinelm.sched.request import FinishReason, Request
+from inlinelm.sched.runner import ModelRunnerOutput
 from inlinelm.sched.scheduler import Scheduler
 from inlinelm.structured import StructuredOutput
 from inlinelm.structured.compiler import GrammarCompiler

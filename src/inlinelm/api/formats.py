@@ -19,8 +19,7 @@ from inlinelm.api.responses import (
     completion_logprobs,
     next_text_offset,
 )
-from inlinelm.runtime.outputs import CompletionOutput
-from inlinelm.sched.output import TokenLogprobs
+from inlinelm.runtime.outputs import CompletionOutput, TokenLogprobs
 
 
 class ChoiceFormat(Protocol):

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from inlinelm.sched.output import TokenLogprobs
+from inlinelm.runtime.outputs import TokenLogprobs
 
 
 def new_id(prefix: str) -> str:

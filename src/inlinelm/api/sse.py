@@ -37,8 +37,7 @@ from inlinelm.api.errors import from_exception
 from inlinelm.api.formats import ChoiceFormat
 from inlinelm.api.responses import ResponseHeader
 from inlinelm.errors import EngineClosedError, EngineError, RequestError, RequestFailedError
-from inlinelm.runtime.outputs import RequestOutput
-from inlinelm.sched.output import TokenLogprobs
+from inlinelm.runtime.outputs import RequestOutput, TokenLogprobs
 
 logger = logging.getLogger("inlinelm.api")
 

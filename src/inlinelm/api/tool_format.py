@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inlinelm.api.responses import TokenTexts, chat_choice, chat_delta_choice, chat_logprobs
-from inlinelm.runtime.outputs import CompletionOutput
-from inlinelm.sched.output import TokenLogprobs
+from inlinelm.runtime.outputs import CompletionOutput, TokenLogprobs
 from inlinelm.tools.calls import ParsedOutput, ToolCall
 from inlinelm.tools.parsers import ToolParser
 

@@ -35,9 +35,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from inlinelm.gpu.attention import AttentionMetadata, TorchAttention, _DecodeGroup, _Plan
+from inlinelm.gpu.attention.metadata import AttentionMetadata
+from inlinelm.gpu.attention.page_table import PageTable, PageTableArrays, pack_page_table
+from inlinelm.gpu.attention.torch_backend import TorchAttention, _DecodeGroup, _Plan
 from inlinelm.gpu.input_batch import IntArray, StepInputs
-from inlinelm.gpu.page_table import PageTable, PageTableArrays, pack_page_table
 from inlinelm.gpu.staging import HostStaging, StagedColumn
 
 TORCH_GRAPH_MAX_KEYS = 1 << 20
@@ -151,7 +152,7 @@ class GraphAttention(Protocol):
 
 
 class TorchGraphAttention:
-    """Static-shape decode for :class:`~inlinelm.gpu.attention.TorchAttention`."""
+    """Static-shape decode for :class:`~inlinelm.gpu.attention.torch_backend.TorchAttention`."""
 
     def __init__(
         self, max_batch_size: int, max_blocks: int, block_size: int, device: torch.device
@@ -206,7 +207,7 @@ class FlashInferGraphAttention:
     ) -> None:
         import flashinfer
 
-        from inlinelm.gpu.flashinfer_backend import TENSOR_CORE_DECODE_MIN_GROUP
+        from inlinelm.gpu.attention.flashinfer_backend import TENSOR_CORE_DECODE_MIN_GROUP
 
         max_bs = max(sizes)
         self.backend = backend
@@ -271,7 +272,7 @@ class FlashInferGraphAttention:
 
     def metadata(self, size: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
         """See :class:`GraphAttention`."""
-        from inlinelm.gpu.flashinfer_backend import _FlashInferPlan
+        from inlinelm.gpu.attention.flashinfer_backend import _FlashInferPlan
 
         arrays = PageTableArrays(
             qo_indptr=self.qo_indptr[: size + 1],

@@ -12,13 +12,9 @@ import time
 from collections import deque
 
 from inlinelm.config import EngineConfig
-from inlinelm.sched.output import (
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-    TokenLogprobs,
-)
+from inlinelm.sched.output import ScheduledRequest, SchedulerOutput, TokenLogprobs
 from inlinelm.sched.request import Request
+from inlinelm.sched.runner import ModelRunnerOutput
 from inlinelm.structured.matcher import GrammarMatcher
 
 

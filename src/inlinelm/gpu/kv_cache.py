@@ -25,7 +25,7 @@ import torch
 
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
-from inlinelm.gpu.model_config import ModelConfig
+from inlinelm.gpu.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import torch
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.kv_cache import KVCacheSpec
-from inlinelm.gpu.model_config import ModelConfig
+from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model_memory import check_model_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

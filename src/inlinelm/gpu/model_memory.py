@@ -34,7 +34,7 @@ from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError, ModelLoadError
 from inlinelm.gpu.kv_cache import HostMemory, KVCacheSpec, kv_cache_spec
 from inlinelm.gpu.kv_cache import format_bytes as format_bytes  # re-exported: its old home
-from inlinelm.gpu.model_config import ModelConfig
+from inlinelm.gpu.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,8 @@ import numpy.typing as npt
 import torch
 
 from inlinelm.config import EngineConfig
-from inlinelm.gpu.attention import AttentionMetadata
-from inlinelm.gpu.attention_backends import make_attention_backend, select_attention_backend
-from inlinelm.gpu.batch_sampling import BatchSampling
+from inlinelm.gpu.attention.metadata import AttentionMetadata
+from inlinelm.gpu.attention.select import make_attention_backend, select_attention_backend
 from inlinelm.gpu.cpu_threads import CpuThreads
 from inlinelm.gpu.cuda_graphs import (
     CudaGraphCapture,
@@ -26,9 +25,7 @@ from inlinelm.gpu.cuda_graphs import (
     FillPending,
     make_graph_attention,
 )
-from inlinelm.gpu.grammar_mask import GrammarMasks
 from inlinelm.gpu.input_batch import InputBatch, IntArray, StepInputs
-from inlinelm.gpu.kernels import make_kernels
 from inlinelm.gpu.kv_cache import (
     GpuMemoryUse,
     allocate_kv_cache,
@@ -37,21 +34,25 @@ from inlinelm.gpu.kv_cache import (
     kv_cache_spec,
     peak_memory_of,
 )
+from inlinelm.gpu.loading.weights import load_model
+from inlinelm.gpu.model.kernels import make_kernels
 from inlinelm.gpu.model_fit import DTYPES, check_model_fits
 from inlinelm.gpu.model_memory import return_free_heap
-from inlinelm.gpu.sampler import (
+from inlinelm.gpu.sampling.batch_sampling import BatchSampling
+from inlinelm.gpu.sampling.grammar_mask import GrammarMasks
+from inlinelm.gpu.sampling.metadata import SamplingMetadata
+from inlinelm.gpu.sampling.sampler import (
     Sampler,
     SamplerOutput,
     flashinfer_sampling,
     to_token_logprobs,
 )
-from inlinelm.gpu.sampling_metadata import SamplingMetadata
 from inlinelm.gpu.staging import HostStaging, StagedColumn, send_one
 from inlinelm.gpu.step_output import StepInFlight, start_host_copy
-from inlinelm.gpu.weights import load_model
 from inlinelm.sampling_params import SamplingParams
-from inlinelm.sched.output import ModelRunnerOutput, SchedulerOutput
+from inlinelm.sched.output import SchedulerOutput
 from inlinelm.sched.request import Request
+from inlinelm.sched.runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import itertools
 import threading
 
 from inlinelm.errors import RequestError
-from inlinelm.runtime.engine_core import EngineCore
 from inlinelm.runtime.request_state import ParentRequest
+from inlinelm.sched.engine_core import EngineCore
 
 
 class CoreHandle:

@@ -12,14 +12,15 @@ from typing import TYPE_CHECKING, Any
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError, ModelLoadError
 from inlinelm.runtime.admission import Admission
-from inlinelm.runtime.engine_core import EngineCore
 from inlinelm.sampling_params import SamplingParams
-from inlinelm.sched.output import EngineCoreOutputs, Runner
+from inlinelm.sched.engine_core import EngineCore
+from inlinelm.sched.output import EngineCoreOutputs
+from inlinelm.sched.runner import Runner
 from inlinelm.structured.compiler import GrammarCompiler
 from inlinelm.structured.sandbox import TokenizerSource
 
 if TYPE_CHECKING:
-    from inlinelm.gpu.model_config import ModelConfig
+    from inlinelm.gpu.model.config import ModelConfig
 
 logger = logging.getLogger("inlinelm")
 
@@ -64,7 +65,7 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
     What can be checked cheaply is checked before anything slow or large: the config and
     whether the model fits in memory (milliseconds), then the tokenizer, then the weights.
     """
-    from inlinelm.gpu.model_files import load_tokenizer, resolve_model
+    from inlinelm.gpu.loading.model_files import load_tokenizer, resolve_model
 
     start = time.perf_counter()
     files = resolve_model(config.model)
@@ -176,7 +177,7 @@ def _build_echo_runner(
     config: EngineConfig, folder: Path, eos: int | None
 ) -> tuple[Runner, int, int]:
     from inlinelm.gpu.echo_runner import EchoRunner
-    from inlinelm.gpu.model_config import ModelConfig
+    from inlinelm.gpu.model.config import ModelConfig
 
     max_len, vocab = ECHO_DEFAULT_MAX_MODEL_LEN, 1 << 20
     if (folder / "config.json").is_file():

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from inlinelm.runtime.engine_core import EngineCoreStats
+    from inlinelm.sched.engine_core import EngineCoreStats
 
 LATENCY_BUCKETS = (
     0.001,

@@ -15,7 +15,8 @@ from inlinelm.runtime.metrics import EngineMetrics
 from inlinelm.runtime.outputs import CompletionOutput, RequestOutput
 from inlinelm.runtime.request_state import ParentRequest, RequestState
 from inlinelm.sampling_params import OutputKind
-from inlinelm.sched.output import EngineCoreOutput, FinishReason
+from inlinelm.sched.output import EngineCoreOutput
+from inlinelm.sched.request import FinishReason
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,13 @@
-"""What a caller receives: ``RequestOutput`` (one request) holding ``CompletionOutput`` choices."""
+"""What a caller receives: ``RequestOutput`` (one request) holding ``CompletionOutput`` choices,
+with ``TokenLogprobs`` per position when logprobs were asked for (the engine thread's record,
+re-exported here as the public type)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from inlinelm.sched.output import TokenLogprobs
+from inlinelm.sched.output import TokenLogprobs as TokenLogprobs  # re-exported: a public type
 
 
 @dataclass(slots=True)

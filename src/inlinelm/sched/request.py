@@ -13,10 +13,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from inlinelm.sampling_params import SamplingParams
-from inlinelm.sched.finish import FinishReason
 
 if TYPE_CHECKING:
     from inlinelm.structured.matcher import GrammarMatcher
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped: OpenAI's ``finish_reason`` values plus ``error``."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
 
 
 class RequestStatus(enum.Enum):

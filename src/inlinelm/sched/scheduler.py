@@ -31,15 +31,9 @@ from dataclasses import dataclass
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.sched.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from inlinelm.sched.output import (
-    EngineCoreOutput,
-    FinishReason,
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-    TokenLogprobs,
-)
-from inlinelm.sched.request import Request, RequestStatus
+from inlinelm.sched.output import EngineCoreOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from inlinelm.sched.request import FinishReason, Request, RequestStatus
+from inlinelm.sched.runner import ModelRunnerOutput
 from inlinelm.sched.stop_checks import check_stop
 from inlinelm.sched.waiting_queue import WaitingQueue
 

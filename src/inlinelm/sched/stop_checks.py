@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from inlinelm.sched.finish import FinishReason
-from inlinelm.sched.request import Request
+from inlinelm.sched.request import FinishReason, Request
 
 
 def check_stop(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:

@@ -1,0 +1,143 @@
+"""FlashInfer attention on CUDA: paged NHD cache, one plan per step, one run per layer.
+
+``flashinfer`` is imported only when this backend is built, never at package import: it
+takes seconds, creates cache folders, and is absent on CPU installs. The page table comes
+from :mod:`inlinelm.gpu.attention.page_table`, shared with the CPU reference
+:class:`~tests.gpu.attention.page_table_oracle.PageTableAttention`; only the wrapper calls
+below are specific to FlashInfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from inlinelm.gpu.attention.metadata import AttentionMetadata
+from inlinelm.gpu.attention.page_table import PageTable, paged_kv_view, step_page_table
+from inlinelm.gpu.kv_cache import write_kv
+
+WORKSPACE_BYTES = 128 * 1024**2
+"""Float workspace shared by both wrappers (FlashInfer's recommended size, split-KV partials)."""
+
+TENSOR_CORE_DECODE_MIN_GROUP = 4
+"""Query heads per KV head from which decode runs on the tensor-core (prefill) kernel."""
+
+
+@dataclass(slots=True)
+class _FlashInferPlan:
+    # NOTE: the table is kept with the plan: the wrapper reads its device buffer in run().
+    table: PageTable
+    wrapper: Any
+
+
+class FlashInferAttention:
+    """Attention with FlashInfer's FA2 kernels over the paged cache (CUDA only).
+
+    A step with any prefill chunk runs ``BatchPrefillWithPagedKVCacheWrapper`` (ragged
+    queries, paged keys, bottom-right causal); a pure decode step runs
+    ``BatchDecodeWithPagedKVCacheWrapper``. ``prepare`` plans once per step; ``forward``
+    writes the layer's new K/V through the slot mapping and runs the planned wrapper.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        import flashinfer
+
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.dtype = dtype
+        self.device = device
+        # NOTE: zeroed before first use, as FlashInfer requires; the two wrappers never run
+        # in the same step, so they share it.
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._prefill: Any = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", backend="fa2"
+        )
+        self._decode: Any = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace,
+            "NHD",
+            use_tensor_cores=num_heads // num_kv_heads >= TENSOR_CORE_DECODE_MIN_GROUP,
+            backend="fa2",
+        )
+        self._planned: Any = None  # a torch.cuda.Event recorded after the last plan
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Build the page table and plan the step's wrapper, once for all layers."""
+        table = step_page_table(meta, block_size, self.device)
+        # NOTE: plan() stages through the wrapper's pinned host buffer with an async copy:
+        # with a step in flight (the pipelined runner), the previous plan's copy must land
+        # before that buffer is rewritten. It is early in the previous step: a short wait.
+        if self._planned is not None:
+            self._planned.synchronize()
+        self._plan(table, block_size)
+        meta.plan = _FlashInferPlan(table, self._decode if table.is_decode else self._prefill)
+        if self.device.type == "cuda":
+            self._planned = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch stub
+            self._planned.record()
+
+    def _plan(self, table: PageTable, block_size: int) -> None:
+        host, device = table.host, table.device
+        # NOTE: plan() reads the indptrs on the host (a device indptr would cost a sync)
+        # and the page ids on the device; every optional argument goes by keyword.
+        if table.is_decode:
+            self._decode.plan(
+                host.kv_indptr,
+                device.kv_indices,
+                host.kv_last_page_len,
+                *self.plan_shape(block_size),
+                **self.plan_options(),
+            )
+            return
+        self._prefill.plan(
+            host.qo_indptr,
+            host.kv_indptr,
+            device.kv_indices,
+            host.kv_last_page_len,
+            *self.plan_shape(block_size),
+            causal=True,
+            **self.plan_options(),
+        )
+
+    def plan_shape(self, block_size: int) -> tuple[int, int, int, int]:
+        """The positional shape arguments every wrapper's ``plan`` takes after the table."""
+        return self.num_heads, self.num_kv_heads, self.head_dim, block_size
+
+    def plan_options(self) -> dict[str, Any]:
+        """The keyword arguments every wrapper's ``plan`` takes (RoPE is the model's)."""
+        return {
+            "pos_encoding_mode": "NONE",
+            "sm_scale": self.scale,
+            "q_data_type": self.dtype,
+            "kv_data_type": self.dtype,
+            "non_blocking": True,
+        }
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """See :class:`~inlinelm.gpu.attention.metadata.AttentionBackend`."""
+        plan = meta.plan
+        assert isinstance(plan, _FlashInferPlan)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        pages = paged_kv_view(kv_cache, plan.table.page_size)
+        # NOTE: q is a head slice of the fused QK tensor. The decode kernels take its row
+        # and head strides (only the last dimension must be dense); prefill gets it dense.
+        if not plan.table.is_decode:
+            q = q.contiguous()
+        out: torch.Tensor = plan.wrapper.run(q, pages)
+        return out

@@ -1,0 +1,242 @@
+"""The pure-torch attention backend (CPU, and the reference on CUDA).
+
+One forward carries the flattened tokens of many sequences (prefill chunks and decode
+tokens mixed). Each layer writes its new K/V into the paged cache at ``slot_mapping`` and
+attends over the sequence's whole context through its block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.nn.functional as F
+
+from inlinelm.gpu.attention.metadata import AttentionMetadata
+from inlinelm.gpu.kv_cache import write_kv
+
+DECODE_GROUP_SIZE = 8
+"""Decode rows per SDPA call (rows are sorted by context length first)."""
+
+SERIAL_DECODE_MAX_KEYS = 1024
+"""A lone decode row with at most this many keys is attended on one intra-op thread: its
+gather and SDPA split badly (measured, 2 cores: 49 µs on one thread against 84 µs on two
+at 170 keys, and no gain from two up to 4000 keys; two rows or more gain from two)."""
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    """Sequences with one query token: one batched SDPA call, keys masked past each length."""
+
+    token_index: torch.Tensor  # [Bd] rows of the flat batch
+    block_tables: torch.Tensor  # [Bd, nb]
+    key_mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] bool, None when all full
+    serial: bool = False  # attend on one intra-op thread (see SERIAL_DECODE_MAX_KEYS)
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """One prefill chunk: its own SDPA call, causal against its cached prefix."""
+
+    start: int
+    end: int
+    seq_len: int
+    block_table: torch.Tensor  # [nb]
+    mask: torch.Tensor | None  # [q, seq_len] bool; None means plain causal (no prefix)
+
+
+@dataclass(slots=True)
+class _Plan:
+    block_size: int
+    decode: list[_DecodeGroup]
+    chunks: list[_Chunk]
+    # One decode group holding every token of the step in order: its result is the output.
+    whole: bool = False
+
+
+class TorchAttention:
+    """CPU attention over the paged cache with torch's SDPA.
+
+    Decode tokens share SDPA calls, up to eight sequences of similar length per call; each
+    prefill chunk gets its own
+    (causal, or bottom-right causal when part of its context is cached), so no sequence is
+    padded to the longest one. The context is gathered a block at a time. The Python loop
+    runs over prefill chunks of a step (bounded by the token budget), never over tokens.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Split the step into decode groups and prefill chunks."""
+        # NOTE: the host copies when the runner passed them: on CUDA, .tolist() of a device
+        # tensor would wait for the step in flight.
+        starts = _host_list(meta.host_query_start_loc, meta.query_start_loc)
+        seq_lens = _host_list(meta.host_seq_lens, meta.seq_lens)
+        single = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+        chunks = [
+            self._chunk(meta, i, starts[i], starts[i + 1], seq_lens[i], block_size)
+            for i in range(len(seq_lens))
+            if starts[i + 1] - starts[i] > 1
+        ]
+        # NOTE: decode rows sorted by length and batched in groups, so short contexts are not
+        # gathered and attended at the longest one's length.
+        single.sort(key=lambda i: seq_lens[i])
+        whole = (
+            not chunks
+            and 0 < len(single) <= DECODE_GROUP_SIZE
+            and single == list(range(len(single)))
+        )
+        if whole:
+            decode = [self._decode_group(meta, slice(0, len(single)), seq_lens, block_size)]
+        else:
+            decode = self._decode_groups(meta, single, seq_lens, block_size)
+        meta.plan = _Plan(block_size, decode, chunks, whole)
+
+    def _decode_groups(
+        self, meta: AttentionMetadata, single: list[int], seq_lens: list[int], block_size: int
+    ) -> list[_DecodeGroup]:
+        """Groups of the decode rows ``single`` (sorted by length) of at most eight rows."""
+        if not single:
+            return []
+        order = _decode_order(meta)
+        groups = []
+        for k in range(0, len(single), DECODE_GROUP_SIZE):
+            rows = single[k : k + DECODE_GROUP_SIZE]
+            lens = [seq_lens[i] for i in rows]
+            groups.append(self._decode_group(meta, order[k : k + len(rows)], lens, block_size))
+        return groups
+
+    def _decode_group(
+        self,
+        meta: AttentionMetadata,
+        index: torch.Tensor | slice,
+        lens: list[int],
+        block_size: int,
+    ) -> _DecodeGroup:
+        """The group of decode rows ``index`` (device positions, or a slice) of lengths ``lens``."""
+        device = meta.seq_lens.device
+        num_blocks = -(-max(lens) // block_size)
+        key_mask = None
+        if min(lens) != num_blocks * block_size:
+            positions = torch.arange(num_blocks * block_size, device=device)
+            key_mask = (positions.view(1, -1) < meta.seq_lens[index].view(-1, 1)).view(
+                len(lens), 1, 1, -1
+            )
+        return _DecodeGroup(
+            meta.query_start_loc[index],
+            meta.block_tables[index, :num_blocks],
+            key_mask,
+            serial=len(lens) == 1 and num_blocks * block_size <= SERIAL_DECODE_MAX_KEYS,
+        )
+
+    def _chunk(
+        self, meta: AttentionMetadata, row: int, start: int, end: int, seq_len: int, block_size: int
+    ) -> _Chunk:
+        num_blocks = -(-seq_len // block_size)
+        query_len = end - start
+        mask = None
+        if seq_len != query_len:
+            device = meta.seq_lens.device
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=device).view(-1, 1)
+            mask = torch.arange(seq_len, device=device).view(1, -1) <= q_pos
+        return _Chunk(start, end, seq_len, meta.block_tables[row, :num_blocks], mask)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """See :class:`AttentionBackend`."""
+        plan = meta.plan
+        assert isinstance(plan, _Plan)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        blocks = kv_cache.view(2, -1, plan.block_size, self.num_kv_heads, self.head_dim)
+        if plan.whole:  # a decode-only step (the common case): no gather of q, no scatter
+            return self._attend_decode(q, blocks, plan.decode[0])
+        out = torch.empty_like(q)
+        for group in plan.decode:
+            out[group.token_index] = self._attend_decode(q[group.token_index], blocks, group)
+        for chunk in plan.chunks:
+            self._attend_chunk(q, blocks, chunk, out)
+        return out
+
+    def _attend_decode(
+        self, queries: torch.Tensor, blocks: torch.Tensor, group: _DecodeGroup
+    ) -> torch.Tensor:
+        """Attention of one decode group; ``queries`` are its rows [Bd, H, D]."""
+        if group.serial and (threads := torch.get_num_threads()) > 1:
+            torch.set_num_threads(1)
+            try:
+                return self._decode_sdpa(queries, blocks, group)
+            finally:
+                torch.set_num_threads(threads)
+        return self._decode_sdpa(queries, blocks, group)
+
+    def _decode_sdpa(
+        self, queries: torch.Tensor, blocks: torch.Tensor, group: _DecodeGroup
+    ) -> torch.Tensor:
+        count = queries.shape[0]
+        keys = (
+            blocks[0][group.block_tables]
+            .view(count, -1, self.num_kv_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        values = (
+            blocks[1][group.block_tables]
+            .view(count, -1, self.num_kv_heads, self.head_dim)
+            .transpose(1, 2)
+        )
+        result = F.scaled_dot_product_attention(
+            queries.unsqueeze(2),  # [Bd, H, 1, D]
+            keys,
+            values,
+            attn_mask=group.key_mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return result.squeeze(2)
+
+    def _attend_chunk(
+        self, q: torch.Tensor, blocks: torch.Tensor, chunk: _Chunk, out: torch.Tensor
+    ) -> None:
+        keys = blocks[0][chunk.block_table].view(1, -1, self.num_kv_heads, self.head_dim)[
+            :, : chunk.seq_len
+        ]
+        values = blocks[1][chunk.block_table].view(1, -1, self.num_kv_heads, self.head_dim)[
+            :, : chunk.seq_len
+        ]
+        queries = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        result = F.scaled_dot_product_attention(
+            queries,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        out[chunk.start : chunk.end] = result[0].transpose(0, 1)
+
+
+def _decode_order(meta: AttentionMetadata) -> torch.Tensor:
+    """Rows with one query token, shortest context first (ties by row), then the others:
+    on the device, the order :meth:`TorchAttention.prepare` sorts the host lists in, so
+    no row index list is copied over."""
+    starts = meta.query_start_loc
+    single = (starts[1:] - starts[:-1]) == 1
+    key = torch.where(single, meta.seq_lens, torch.iinfo(meta.seq_lens.dtype).max)
+    return torch.argsort(key, stable=True)
+
+
+def _host_list(host: npt.NDArray[np.int64] | None, device: torch.Tensor) -> list[int]:
+    values: list[int] = host.tolist() if host is not None else device.tolist()
+    return values

@@ -1,0 +1,175 @@
+"""The decoder's elementwise kernels: RMSNorm (alone and with the residual add fused), RoPE
+and SiLU-and-mul; FlashInfer's on CUDA, plain torch everywhere else.
+
+The model takes one :class:`Kernels` when it is built (:func:`make_kernels`) and calls it
+in every layer, so the choice is made once, never per call. ``flashinfer`` is imported
+only when :class:`FlashInferKernels` is built, which only a CUDA runner does.
+
+Both implementations agree on the contracts below; the torch ones compute exactly what
+the reference Llama implementation computes (float32 norms, a cast before the weight),
+which keeps a CPU float32 model's greedy output equal to transformers'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+
+KernelsKind = Literal["flashinfer", "torch"]
+
+
+@dataclass(slots=True)
+class RopeInputs:
+    """One forward's RoPE inputs, built once and shared by every layer.
+
+    ``cos_sin_cache`` is [max_positions, head_dim] float32: the cosines of the
+    ``head_dim / 2`` frequencies, then their sines (FlashInfer's layout). The torch
+    kernels also gather ``cos``/``sin`` [T, 1, head_dim] in the model's dtype up front.
+    """
+
+    positions: torch.Tensor  # [T] int64
+    cos_sin_cache: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+class Kernels(Protocol):
+    """What a decoder layer calls besides its matmuls and attention."""
+
+    kind: KernelsKind
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x / rms(x) * weight`` over the last dim; ``x`` [T, hidden] is left unchanged."""
+        ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(x + residual), x + residual)``; may overwrite ``x`` and ``residual``."""
+        ...
+
+    def rope_inputs(
+        self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RopeInputs:
+        """Everything :meth:`apply_rope` needs for one forward's ``positions``."""
+        ...
+
+    def apply_rope(self, qk: torch.Tensor, num_q_heads: int, rope: RopeInputs) -> torch.Tensor:
+        """Rotate ``qk`` [T, Hq + Hkv, D] (queries, then keys; neox halves); may work in place."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``x`` = [gate | up] on the last dim."""
+        ...
+
+
+class TorchKernels:
+    """The kernels in plain torch ops: any device, any dtype."""
+
+    kind: KernelsKind = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """See :class:`Kernels`."""
+        if x.dtype == torch.float32:
+            # One fused kernel instead of seven ops (a CPU decode step is dispatch-bound).
+            return F.rms_norm(x, weight.shape, weight, eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :class:`Kernels`."""
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rope_inputs(
+        self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RopeInputs:
+        """See :class:`Kernels`."""
+        cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+        return RopeInputs(
+            positions,
+            cos_sin_cache,
+            torch.cat((cos, cos), dim=-1).to(dtype).unsqueeze(1),
+            torch.cat((sin, sin), dim=-1).to(dtype).unsqueeze(1),
+        )
+
+    def apply_rope(self, qk: torch.Tensor, num_q_heads: int, rope: RopeInputs) -> torch.Tensor:
+        """See :class:`Kernels`."""
+        # NOTE: queries and keys rotate together: one set of ops per layer, not two.
+        assert rope.cos is not None and rope.sin is not None
+        return qk * rope.cos + _rotate_half(qk) * rope.sin
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """See :class:`Kernels`."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FlashInferKernels:
+    """FlashInfer's fused CUDA kernels (16-bit activations only): one launch per call,
+    where the torch versions take three to eight."""
+
+    kind: KernelsKind = "flashinfer"
+
+    def __init__(self) -> None:
+        import flashinfer
+
+        self._rmsnorm: Any = flashinfer.norm.rmsnorm
+        self._fused_add_rmsnorm: Any = flashinfer.norm.fused_add_rmsnorm
+        self._rope: Any = flashinfer.rope.apply_rope_with_cos_sin_cache_inplace
+        self._silu_and_mul: Any = flashinfer.activation.silu_and_mul
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """See :class:`Kernels`."""
+        out: torch.Tensor = self._rmsnorm(x, weight, eps)
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :class:`Kernels` (in place: ``residual`` += ``x``, ``x`` = the norm)."""
+        self._fused_add_rmsnorm(x, residual, weight, eps)
+        return x, residual
+
+    def rope_inputs(
+        self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RopeInputs:
+        """See :class:`Kernels` (the kernel gathers the table by position itself)."""
+        return RopeInputs(positions, cos_sin_cache)
+
+    def apply_rope(self, qk: torch.Tensor, num_q_heads: int, rope: RopeInputs) -> torch.Tensor:
+        """See :class:`Kernels` (in place; the head slices may be strided views)."""
+        self._rope(
+            rope.positions,
+            qk[:, :num_q_heads],
+            qk[:, num_q_heads:],
+            qk.shape[-1],
+            rope.cos_sin_cache,
+            is_neox=True,
+        )
+        return qk
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """See :class:`Kernels`."""
+        out: torch.Tensor = self._silu_and_mul(x)
+        return out
+
+
+def make_kernels(kind: KernelsKind) -> Kernels:
+    """The kernels of ``kind``: the model follows the attention backend's choice (see
+    :func:`~inlinelm.gpu.attention.select.select_attention_backend`), so ``"flashinfer"``
+    only ever arrives for a 16-bit model on CUDA with ``flashinfer`` importable."""
+    if kind == "flashinfer":
+        return FlashInferKernels()
+    return TorchKernels()

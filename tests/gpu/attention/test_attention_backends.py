@@ -1,0 +1,348 @@
+"""Choosing the attention backend, and the FlashInfer backend against the torch one on CUDA."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from inlinelm.errors import ConfigError
+from inlinelm.gpu.attention import select as attention_backends
+from inlinelm.gpu.attention.metadata import AttentionMetadata
+from inlinelm.gpu.attention.page_table import PageTable, PageTableArrays
+from inlinelm.gpu.attention.select import make_attention_backend, select_attention_backend
+from inlinelm.gpu.attention.torch_backend import TorchAttention
+from tests.gpu.attention.page_table_oracle import PageTableAttention, paged_attention
+from tests.gpu.paged_steps import Shape, make_step, run_backend
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def without_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # `import flashinfer` raises
+
+
+@pytest.fixture
+def with_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+
+
+def test_torch_is_taken_as_asked_on_any_device() -> None:
+    assert select_attention_backend("torch", CPU, BF16, head_dim=64) == "torch"
+    assert select_attention_backend("torch", CUDA, BF16, head_dim=64) == "torch"
+
+
+def test_auto_on_cpu_is_torch_without_trying_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail() -> str | None:
+        raise AssertionError("flashinfer imported off CUDA")
+
+    monkeypatch.setattr(attention_backends, "_flashinfer_import_error", fail)
+    assert select_attention_backend("auto", CPU, BF16, head_dim=64) == "torch"
+    assert isinstance(make_attention_backend("auto", CPU, 4, 2, 8, torch.float32), TorchAttention)
+
+
+@pytest.mark.usefixtures("with_flashinfer")
+def test_auto_on_cuda_is_flashinfer_when_it_imports() -> None:
+    assert select_attention_backend("auto", CUDA, BF16, head_dim=64) == "flashinfer"
+    assert select_attention_backend("flashinfer", CUDA, BF16, head_dim=64) == "flashinfer"
+
+
+@pytest.mark.usefixtures("with_flashinfer")
+def test_float32_runs_the_torch_backend() -> None:
+    assert select_attention_backend("auto", CUDA, torch.float32, head_dim=64) == "torch"
+    with pytest.raises(ConfigError, match="needs dtype bfloat16 or float16"):
+        select_attention_backend("flashinfer", CUDA, torch.float32, head_dim=64)
+
+
+@pytest.mark.usefixtures("with_flashinfer")
+def test_a_head_dim_flashinfer_lacks_runs_the_torch_backend() -> None:
+    assert select_attention_backend("auto", CUDA, BF16, head_dim=16) == "torch"
+    with pytest.raises(ConfigError, match="needs a head dim") as info:
+        select_attention_backend("flashinfer", CUDA, BF16, head_dim=96)
+    assert info.value.option == "attention_backend"
+
+
+@pytest.mark.usefixtures("without_flashinfer")
+def test_auto_on_cuda_falls_back_to_torch_without_flashinfer() -> None:
+    assert select_attention_backend("auto", CUDA, BF16, head_dim=64) == "torch"
+
+
+@pytest.mark.usefixtures("without_flashinfer")
+def test_flashinfer_without_the_package_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="cannot import flashinfer") as info:
+        select_attention_backend("flashinfer", CUDA, BF16, head_dim=64)
+    assert info.value.option == "attention_backend"
+
+
+@pytest.mark.usefixtures("with_flashinfer")
+def test_flashinfer_off_cuda_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="needs a CUDA device") as info:
+        select_attention_backend("flashinfer", CPU, BF16, head_dim=64)
+    assert info.value.option == "attention_backend"
+
+
+def test_unknown_backend_name_is_refused() -> None:
+    with pytest.raises(ConfigError, match="auto, flashinfer, torch"):
+        select_attention_backend("flash", CPU, BF16, head_dim=64)
+
+
+def test_importing_inlinelm_and_the_backends_never_imports_flashinfer() -> None:
+    code = (
+        "import sys, inlinelm, inlinelm.gpu.attention.flashinfer_backend, inlinelm.gpu.attention.select;"
+        "assert 'flashinfer' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- the FlashInfer glue on the CPU, through a stand-in for its two wrappers ----------------
+
+
+class _FakeWrapper:
+    """Checks what FlashInferAttention hands FlashInfer's wrappers, then attends in torch.
+
+    The positional parameters keep FlashInfer's order and names; options must come by
+    keyword (the backend's rule, valid on 0.6.x and 0.7.x).
+    """
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str, **options: Any) -> None:
+        assert kv_layout == "NHD" and options.get("backend") == "fa2"
+        self.workspace = workspace
+        self.options = options
+        self.plans = 0
+        self.table: PageTable | None = None
+
+    def _plan(
+        self,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        options: dict[str, Any],
+    ) -> None:
+        for host in (qo_indptr, kv_indptr, kv_last_page_len):
+            assert host.device.type == "cpu" and host.dtype == torch.int32
+        assert kv_indices.dtype == torch.int32
+        assert options["q_data_type"] == options["kv_data_type"] == torch.float32
+        assert options["sm_scale"] == head_dim**-0.5 and options["pos_encoding_mode"] == "NONE"
+        self.heads = (num_qo_heads, num_kv_heads, head_dim)
+        arrays = PageTableArrays(qo_indptr, kv_indptr, kv_last_page_len, kv_indices)
+        self.table = PageTable(page_size, len(kv_last_page_len), False, arrays, arrays)
+        self.plans += 1
+
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        # NOTE: FlashInfer's decode kernel takes q's row and head strides (only the last
+        # dimension must be dense); prefill is given a dense q.
+        assert self.table is not None and q.stride(-1) == 1
+        assert isinstance(self, _FakeDecode) or q.is_contiguous()
+        k_pages, v_pages = paged_kv_cache
+        assert k_pages.shape[1:] == (self.table.page_size, *self.heads[1:])
+        return paged_attention(q, k_pages, v_pages, self.table, self.heads[2] ** -0.5)
+
+
+class _FakePrefill(_FakeWrapper):
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        page_size: int,
+        **options: Any,
+    ) -> None:
+        assert options["causal"] is True
+        self._plan(
+            qo_indptr,
+            paged_kv_indptr,
+            paged_kv_indices,
+            paged_kv_last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            page_size,
+            options,
+        )
+
+
+class _FakeDecode(_FakeWrapper):
+    def plan(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        **options: Any,
+    ) -> None:
+        qo_indptr = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
+        self._plan(
+            qo_indptr,
+            indptr,
+            indices,
+            last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            options,
+        )
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from inlinelm.gpu.attention import flashinfer_backend
+
+    module = types.ModuleType("flashinfer")
+    vars(module).update(
+        BatchPrefillWithPagedKVCacheWrapper=_FakePrefill,
+        BatchDecodeWithPagedKVCacheWrapper=_FakeDecode,
+    )
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    monkeypatch.setattr(flashinfer_backend, "WORKSPACE_BYTES", 1024)
+
+
+@pytest.mark.usefixtures("fake_flashinfer")
+@pytest.mark.parametrize("block_size", [16, 1])
+@pytest.mark.parametrize(
+    ("requests", "planned"),
+    [([(0, 7), (20, 1), (16, 5), (3, 1)], "prefill"), ([(0, 1), (15, 1), (40, 1)], "decode")],
+)
+def test_flashinfer_glue_plans_once_and_matches_torch(
+    requests: list[tuple[int, int]], planned: str, block_size: int
+) -> None:
+    from inlinelm.gpu.attention.flashinfer_backend import FlashInferAttention
+
+    backend = FlashInferAttention(6, 2, 8, torch.float32, CPU)
+    assert backend._prefill.workspace is backend._decode.workspace
+    layers = [make_step(Shape(block_size, 6, 2, 8), requests, 0, data_seed=i) for i in (0, 1)]
+    meta = layers[0].metadata(CPU)
+    backend.prepare(meta, block_size)
+    for step in layers:
+        expected, expected_cache = run_backend(TorchAttention(6, 2, 8), step, block_size)
+        cache = step.kv_cache.clone()
+        out = backend.forward(step.q, step.k, step.v, cache, meta)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(cache, expected_cache)
+    chosen = backend._prefill if planned == "prefill" else backend._decode
+    other = backend._decode if planned == "prefill" else backend._prefill
+    assert (chosen.plans, other.plans) == (1, 0)
+
+
+# -- on the device --------------------------------------------------------------------------
+
+# (cached prefix, new tokens) per request
+CUDA_STEPS = {
+    "mixed": [(0, 37), (20, 1), (16, 16), (100, 1), (5, 11), (0, 1)],
+    "prefix_hits": [(48, 9), (33, 40), (15, 1)],
+    "decode": [(n, 1) for n in (0, 15, 16, 17, 31, 200, 1, 63, 64, 1000)],
+}
+CUDA_SHAPES = {"gqa3": (9, 3, 64), "gqa4": (8, 2, 64)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 1])
+@pytest.mark.parametrize("step_name", sorted(CUDA_STEPS))
+def test_page_table_attention_equals_torch_backend_on_cuda(step_name: str, block_size: int) -> None:
+    step = make_step(Shape(block_size, 9, 3, 64), CUDA_STEPS[step_name], 0, device=CUDA)
+    expected, _ = run_backend(TorchAttention(9, 3, 64), step, block_size)
+    out, _ = run_backend(PageTableAttention(9, 3, 64), step, block_size)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape_name", sorted(CUDA_SHAPES))
+@pytest.mark.parametrize("block_size", [16, 1])
+@pytest.mark.parametrize("step_name", sorted(CUDA_STEPS))
+def test_flashinfer_equals_torch_backend_on_cuda(
+    step_name: str, block_size: int, shape_name: str
+) -> None:
+    pytest.importorskip("flashinfer")
+    from inlinelm.gpu.attention.flashinfer_backend import FlashInferAttention
+
+    heads = CUDA_SHAPES[shape_name]
+    shape = Shape(block_size, *heads)
+    backend = FlashInferAttention(*heads, torch.bfloat16, CUDA)
+    # two layers on one plan: prepare once per step, run per layer
+    layers = [
+        make_step(
+            shape, CUDA_STEPS[step_name], 0, data_seed=layer, dtype=torch.bfloat16, device=CUDA
+        )
+        for layer in (0, 1)
+    ]
+    meta = layers[0].metadata(CUDA)
+    backend.prepare(meta, block_size)
+    for step in layers:
+        expected, expected_cache = run_backend(TorchAttention(*heads), step, block_size)
+        cache = step.kv_cache.clone()
+        out = backend.forward(step.q, step.k, step.v, cache, meta)
+        assert out.shape == expected.shape and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+        assert torch.equal(cache, expected_cache)
+
+
+@pytest.mark.gpu
+def test_auto_picks_flashinfer_on_cuda_when_installed() -> None:
+    pytest.importorskip("flashinfer")
+    from inlinelm.gpu.attention.flashinfer_backend import FlashInferAttention
+
+    backend = make_attention_backend("auto", CUDA, 9, 3, 64, torch.bfloat16)
+    assert isinstance(backend, FlashInferAttention)
+
+
+class _RecordingWrapper:
+    """Stands in for a FlashInfer wrapper: records the q it is run with."""
+
+    def __init__(self) -> None:
+        self.queries: list[torch.Tensor] = []
+
+    def run(self, q: torch.Tensor, pages: Any) -> torch.Tensor:
+        self.queries.append(q)
+        return torch.zeros_like(q)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_flashinfer_decode_takes_the_strided_q_and_prefill_a_dense_one(decode: bool) -> None:
+    """No copy kernel per layer on decode: the head slice of the fused QK goes as it is."""
+    from inlinelm.gpu.attention.flashinfer_backend import FlashInferAttention, _FlashInferPlan
+    from inlinelm.gpu.attention.page_table import build_page_table
+
+    heads, kv_heads, dim, page = 4, 2, 8, 4
+    lens = np.array([1, 1] if decode else [3, 1], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    table = build_page_table(starts, lens + 2, np.array([[0, 1], [2, 3]]), page, CPU)
+    wrapper = _RecordingWrapper()
+    backend = FlashInferAttention.__new__(FlashInferAttention)
+    tokens = int(lens.sum())
+    qk = torch.randn(tokens, heads + kv_heads, dim)
+    q, k = qk[:, :heads], qk[:, heads:]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(tokens),
+        query_start_loc=torch.from_numpy(starts),
+        seq_lens=torch.from_numpy(lens + 2),
+        block_tables=torch.zeros(2, 1, dtype=torch.int64),
+        max_query_len=int(lens.max()),
+        max_seq_len=int(lens.max()) + 2,
+        plan=_FlashInferPlan(table, wrapper),
+    )
+    backend.forward(q, k, torch.randn_like(k), torch.zeros(2, 4 * page, kv_heads, dim), meta)
+    (got,) = wrapper.queries
+    assert torch.equal(got, q)
+    if decode:
+        assert got is q and not q.is_contiguous()
+    else:
+        assert got.is_contiguous()

@@ -94,7 +94,12 @@ class StepGuard:
             return original_to(host, device, non_blocking=True)
 
         monkeypatch.setattr(staging_module, "copy_to_device", copy)
-        for module in ("model_runner", "cuda_graphs", "grammar_mask", "page_table"):
+        for module in (
+            "model_runner",
+            "cuda_graphs",
+            "sampling.grammar_mask",
+            "attention.page_table",
+        ):
             target = f"inlinelm.gpu.{module}.copy_to_device"
             if _has(target):
                 monkeypatch.setattr(target, copy)

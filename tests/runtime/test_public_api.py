@@ -23,6 +23,7 @@ PUBLIC = [
     "RequestStream",
     "SamplingParams",
     "SlowConsumerError",
+    "TokenLogprobs",
 ]
 
 

@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inlinelm.config import EngineConfig
-from inlinelm.errors import QueueFullError, RequestError
-from inlinelm.runtime.core_handle import CoreHandle
+from inlinelm.errors import RequestError
 from inlinelm.sampling_params import SamplingParams
 
 
@@ -37,25 +36,6 @@ def check_stop_limits(config: EngineConfig, stop: list[str]) -> None:
             f"stop strings may be at most {config.max_stop_string_chars} characters long "
             f"on this engine, got one of {longest}",
             param="stop",
-        )
-
-
-def admit_count(config: EngineConfig, handle: CoreHandle) -> None:
-    """Refuse a request when ``max_queued_requests`` wait already (before tokenizing it)."""
-    limit = config.max_queued_requests
-    if limit is not None and handle.num_queued_requests >= limit:
-        raise QueueFullError(
-            f"too many queued requests ({handle.num_queued_requests} >= max_queued_requests={limit})"
-        )
-
-
-def admit_tokens(config: EngineConfig, handle: CoreHandle, num_tokens: int) -> None:
-    """Refuse a prompt that would push the queued prompt tokens past ``max_queued_tokens``."""
-    limit = config.max_queued_tokens
-    if limit is not None and handle.num_queued_tokens + num_tokens > limit:
-        raise QueueFullError(
-            f"too many queued prompt tokens ({handle.num_queued_tokens} + {num_tokens} "
-            f"> max_queued_tokens={limit})"
         )
 
 

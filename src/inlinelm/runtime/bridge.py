@@ -4,7 +4,8 @@ The engine thread calls :meth:`OutputDispatcher.post` once per step. Each live e
 has one :class:`LoopBridge` (with its own output handler task and ``OutputProcessor``); a
 post appends the step's batch to every bridge's deque and wakes each loop at most once
 until its handler catches up, so a lagging loop coalesces steps instead of queueing
-wake-ups. Nothing else crosses threads.
+wake-ups. The other way, :class:`CoreHandle` hands requests and aborts to the engine
+thread. Nothing else crosses threads.
 """
 
 from __future__ import annotations
@@ -12,22 +13,117 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from inlinelm.errors import EngineDeadError, RequestFailedError
-from inlinelm.runtime.core_handle import CoreHandle
+from inlinelm.errors import EngineDeadError, RequestError, RequestFailedError
 from inlinelm.runtime.metrics import EngineMetrics
 from inlinelm.runtime.output_processor import OutputProcessor
 from inlinelm.runtime.outputs import aborted_output
 from inlinelm.runtime.request_state import ParentRequest
 from inlinelm.sched.output import EngineCoreOutputs
 
+if TYPE_CHECKING:
+    from inlinelm.runtime.loader import LoadedEngine
+    from inlinelm.sched.engine_core import EngineCore
+    from inlinelm.sched.request import Request
+
 logger = logging.getLogger(__name__)
 
 SLICE_SIZE = 128
+
+
+class CoreHandle:
+    """The engine core while it runs, and the counts of requests still waiting to start.
+
+    What the output handlers, timers and streams hold instead of the ``Engine``: a bridge
+    that referenced the Engine would keep it alive as long as its event loop lives, so an
+    Engine dropped without ``close()`` would never be collected. The handle carries only
+    the running core (cleared on close, so the runner can be freed), the queue counters and
+    the caller ids in flight.
+    """
+
+    def __init__(self) -> None:
+        # The started engine's parts, set once loaded and cleared on close.
+        self.loaded: LoadedEngine | None = None
+        self.closed = False
+        self._lock = threading.Lock()
+        self.num_queued_requests = 0
+        self.num_queued_tokens = 0
+        self._in_flight: dict[str, ParentRequest] = {}
+        self._submissions = itertools.count()
+
+    def claim(self, parent: ParentRequest) -> None:
+        """Reserve ``parent``'s caller id; a ``RequestError`` if a request with that id is
+        still in flight (on any event loop). Released by :meth:`forget`."""
+        with self._lock:
+            if parent.request_id in self._in_flight:
+                raise RequestError(
+                    f"request id {parent.request_id!r} is already in flight", param="request_id"
+                )
+            self._in_flight[parent.request_id] = parent
+
+    def forget(self, parent: ParentRequest) -> None:
+        """``parent`` left its loop's output processor: it is no longer queued, and its caller
+        id is free again (idempotent; a newer request with the same id keeps its claim)."""
+        self.unqueue(parent)
+        with self._lock:
+            if self._in_flight.get(parent.request_id) is parent:
+                del self._in_flight[parent.request_id]
+
+    @property
+    def core(self) -> EngineCore | None:
+        """The engine core while the engine runs."""
+        loaded = self.loaded
+        return None if loaded is None else loaded.core
+
+    @property
+    def num_in_flight(self) -> int:
+        """Caller ids claimed and not released yet."""
+        return len(self._in_flight)
+
+    def next_submission(self) -> int:
+        """A number no other submission to this engine gets (for engine-side ids)."""
+        return next(self._submissions)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Ask the engine thread to abort these requests (no-op once closed)."""
+        core = self.core
+        if core is not None and request_ids:
+            core.abort(request_ids)
+
+    def enqueue(self, parent: ParentRequest) -> None:
+        """Count a request that waits for its first token."""
+        parent.queued = True
+        with self._lock:
+            self.num_queued_requests += 1
+            self.num_queued_tokens += len(parent.prompt_token_ids)
+
+    def unqueue(self, parent: ParentRequest) -> None:
+        """Stop counting ``parent`` as queued (idempotent)."""
+        if parent.queued:
+            parent.queued = False
+            with self._lock:
+                self.num_queued_requests -= 1
+                self.num_queued_tokens -= len(parent.prompt_token_ids)
+
+    def add(self, requests: Sequence[Request]) -> None:
+        """Hand ``requests`` to the engine thread (the one way in besides :meth:`abort`)."""
+        core = self.core
+        if core is not None:
+            for request in requests:
+                core.add_request(request)
+
+    def on_started(self, parent: ParentRequest) -> None:
+        """A request's first token arrived: it left the queue; deferred choices may start."""
+        self.unqueue(parent)
+        if parent.deferred:
+            self.add(parent.deferred)
+        parent.deferred = []
 
 
 class LoopBridge:
@@ -224,6 +320,15 @@ def fail_loops(dispatcher: OutputDispatcher, error: BaseException) -> None:
     for bridge in dispatcher.bridges():
         with contextlib.suppress(RuntimeError):
             bridge.loop.call_soon_threadsafe(bridge.fail_all, error)
+
+
+def close_loops(dispatcher: OutputDispatcher, error: BaseException) -> None:
+    """The engine closed: end every stream on every loop with ``error``, then stop each
+    loop's output handler (both on that loop)."""
+    fail_loops(dispatcher, error)
+    for bridge in dispatcher.bridges():
+        with contextlib.suppress(RuntimeError):
+            bridge.loop.call_soon_threadsafe(bridge.task.cancel)
 
 
 def fail_engine(

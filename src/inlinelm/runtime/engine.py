@@ -4,35 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import gc
 import logging
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from inlinelm.config import EngineConfig
-from inlinelm.errors import (
-    EngineClosedError,
-    EngineDeadError,
-    QueueTimeoutError,
-    RequestError,
-)
+from inlinelm.errors import EngineClosedError, RequestError
 from inlinelm.progress import silence_iprogress_warning
-from inlinelm.runtime.admission import admit_count, admit_tokens, check_limits
 from inlinelm.runtime.bridge import (
+    CoreHandle,
     Heartbeat,
-    LoopBridge,
     OutputDispatcher,
-    fail_engine,
-    fail_loops,
+    close_loops,
     post_outputs,
 )
-from inlinelm.runtime.core_handle import CoreHandle
 from inlinelm.runtime.loader import LoadedEngine, load_engine
 from inlinelm.runtime.metrics import (
     EngineMetrics,
@@ -41,18 +31,13 @@ from inlinelm.runtime.metrics import (
     engine_stats,
 )
 from inlinelm.runtime.outputs import RequestOutput
-from inlinelm.runtime.prompt_source import Prompt, PromptSource, chat_size
-from inlinelm.runtime.request_state import (
-    ParentRequest,
-    RequestState,
-    engine_requests,
-    make_states,
-)
-from inlinelm.runtime.stream import RequestStream, Submission
+from inlinelm.runtime.prompt_source import Prompt, PromptSource, chat_size, render_chat
+from inlinelm.runtime.stream import RequestStream
+from inlinelm.runtime.submission import Submitter, encode
 from inlinelm.runtime.sync import generate_all, run_sync
 from inlinelm.runtime.workers import Workers
-from inlinelm.sampling_params import OutputKind, SamplingParams
-from inlinelm.structured.compiler import CacheStats, CompiledGrammar
+from inlinelm.sampling_params import SamplingParams
+from inlinelm.structured.compiler import CacheStats
 
 logger = logging.getLogger("inlinelm")
 
@@ -70,14 +55,23 @@ class Engine:
         self.config = base.with_options(**options) if options else base
         self.metrics = EngineMetrics()
         self._dispatcher = OutputDispatcher()
-        self._loaded: LoadedEngine | None = None
         self._start_future: concurrent.futures.Future[LoadedEngine] | None = None
-        self._closed = False
         self._lock = threading.Lock()
+        # NOTE: the handle holds the loaded parts and the closed flag: what the bridges,
+        # timers and streams share with the Engine, without holding the Engine.
         self._handle = CoreHandle()
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._heartbeat = Heartbeat(time.perf_counter())
         self._workers = Workers()
+        self._submitter = Submitter(
+            self.config,
+            self._handle,
+            self._dispatcher,
+            self.metrics,
+            self._heartbeat,
+            self._workers,
+            self.start,
+        )
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -89,7 +83,7 @@ class Engine:
 
     def _begin_start(self) -> concurrent.futures.Future[LoadedEngine]:
         with self._lock:
-            if self._closed:
+            if self._handle.closed:
                 raise EngineClosedError("the engine is closed")
             if self._start_future is None:
                 self._start_future = concurrent.futures.Future()
@@ -110,8 +104,7 @@ class Engine:
             return
         self._finalizer = weakref.finalize(self, _shutdown, loaded)
         self._finalizer.atexit = False
-        self._handle.core = loaded.core
-        self._loaded = loaded
+        self._handle.loaded = loaded
         self._start_future.set_result(loaded)
 
     def start_sync(self) -> None:
@@ -125,9 +118,9 @@ class Engine:
     def close(self) -> None:
         """Blocking ``aclose()`` (idempotent)."""
         with self._lock:
-            if self._closed:
+            if self._handle.closed:
                 return
-            self._closed = True
+            self._handle.closed = True
             future = self._start_future
         if future is not None:
             try:
@@ -138,14 +131,13 @@ class Engine:
                 loaded.core.shutdown()
                 loaded.core.join()
                 loaded.grammars.close()
-        self._fail_all_loops(EngineClosedError("the engine was closed"))
+        close_loops(self._dispatcher, EngineClosedError("the engine was closed"))
         self._workers.close()
         # NOTE: drop every path to the core (and so to the runner's weights and KV cache).
-        self._handle.core = None
+        self._handle.loaded = None
         self._start_future = None
         if self._finalizer is not None:
             self._finalizer.detach()
-        self._loaded = None
         gc.collect()
 
     async def __aenter__(self) -> Engine:
@@ -160,7 +152,7 @@ class Engine:
     @property
     def is_ready(self) -> bool:
         """True once the model is loaded and warm and the engine thread runs."""
-        return self._loaded is not None and not self._closed
+        return self._handle.loaded is not None and not self._handle.closed
 
     def health(self, *, detail: bool = True) -> tuple[bool, str]:
         """``(True, "ok")``, or ``(False, reason)`` when closed, dead or stuck in a step.
@@ -168,14 +160,13 @@ class Engine:
         A death's reason names the error's class and, with ``detail``, its message (which
         may hold internals: an HTTP server shows clients the class only).
         """
-        if self._closed:
+        if self._handle.closed:
             return False, "closed"
         error = self._dispatcher.fatal_error
         if error is not None:
             cause = type(error).__name__
             return False, f"dead: {cause}: {error}" if detail else f"dead: {cause}"
-        loaded = self._loaded
-        if loaded is None:
+        if self._handle.loaded is None:
             return False, "starting"
         # NOTE: busy is judged by the requests callers wait for, not by the core's stats,
         # which are published after each step and so miss a first step that never ends.
@@ -193,7 +184,7 @@ class Engine:
         if config.runner != "model":
             served += f" runner={config.runner!r}"
         ok, reason = self.health(detail=False)
-        if self._start_future is None and not self._closed:
+        if self._start_future is None and not self._handle.closed:
             state = "not started"
         elif ok or reason.startswith("stuck"):
             stats = self.stats()
@@ -244,7 +235,7 @@ class Engine:
         """Engine-wide numbers: queues, KV use, prefix-cache hit rate, histograms, coalescing,
         and the grammar cache (hits, misses, compiles abandoned by their clients, entries and
         their estimated bytes). A dict, which a notebook shows as a short table."""
-        loaded = self._loaded
+        loaded = self._handle.loaded
         stats = engine_stats(
             loaded.core.stats if loaded is not None else None,
             self.metrics,
@@ -296,8 +287,8 @@ class Engine:
         a request of many prompts): the rule then judges that size.
         """
         size = len(prompt) if isinstance(prompt, (str, list)) else 0
-        source = PromptSource(lambda: prompt, add_special_tokens, "prompt", max(size, input_size))
-        return self._open(source, _params(params, overrides), request_id, arrival_time)
+        source = PromptSource.of_prompt(prompt, add_special_tokens, max(size, input_size))
+        return self._submitter.open(source, _params(params, overrides), request_id, arrival_time)
 
     def chat(
         self,
@@ -314,52 +305,15 @@ class Engine:
         (and to ``tools``, OpenAI-style function tools, when given). The messages' and the
         tools' text together decide whether the template runs off the event loop."""
         size = chat_size(messages, tools, limit=self.config.max_inline_prompt_chars)
-        source = PromptSource(
-            lambda: self.render_chat(messages, tools), False, "messages", max(size, input_size)
-        )
-        return self._open(source, _params(params, overrides), request_id, arrival_time)
-
-    def _open(
-        self,
-        source: PromptSource,
-        params: SamplingParams,
-        request_id: str | None,
-        arrival_time: float | None,
-    ) -> RequestStream:
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
-        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:16]}"
-        if not isinstance(rid, str) or not rid:
-            raise RequestError("request_id must be a non-empty string", param="request_id")
-        self._check_usable()
-        check_limits(self.config, params)
-        params = params.copy()  # NOTE: owned from here: the caller may still mutate its own
-        stream = RequestStream(
-            rid,
-            lambda: self._submit_lazily(source, params, rid, arrival),
-            delta=params.output_kind is OutputKind.DELTA,
-        )
-        # NOTE: a request with a grammar always takes the lazy path: its grammar compiles
-        # on a worker thread, and a bad one raises from ``await stream.submit()``.
-        inline = source.size <= self.config.max_inline_prompt_chars and params.structured is None
-        if self.is_ready and inline:
-            loaded = self._require_loaded()
-            prompt_ids = self._tokenize(loaded, source)
-            stream._attach(self._submit(loaded, prompt_ids, params, rid, arrival, source))
-        return stream
+        source = PromptSource.of_chat(messages, tools, max(size, input_size))
+        return self._submitter.open(source, _params(params, overrides), request_id, arrival_time)
 
     def render_chat(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
     ) -> str:
         """The prompt text the chat template makes of ``messages`` (with the assistant turn
         opened), and of ``tools`` when given (``apply_chat_template(..., tools=...)``)."""
-        extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
-        try:
-            text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=True, **extra
-            )
-        except Exception as e:
-            raise RequestError(f"cannot apply the chat template: {e}", param="messages") from e
-        return str(text)
+        return render_chat(self.tokenizer, messages, tools)
 
     def default_sampling_params(self, *, chat: bool = False) -> SamplingParams:
         """The values this engine gives a completion's (``chat=True``: a chat's) unset
@@ -430,37 +384,6 @@ class Engine:
             )
         )
 
-    # -- submission (event loop)
-    # -----------------------------------------------------------
-
-    async def _submit_lazily(
-        self, source: PromptSource, params: SamplingParams, rid: str, arrival: float
-    ) -> Submission:
-        await self.start()
-        loaded = self._require_loaded()
-        if source.size <= self.config.max_inline_prompt_chars:
-            prompt_ids = self._tokenize(loaded, source)
-        else:
-            # NOTE: invariant 12: a large prompt or chat is rendered and tokenized on a worker
-            # thread (the tokenizer releases the GIL), so other streams keep flowing.
-            prompt_ids = await self._workers.tokenize(self._tokenize, loaded, source)
-        grammar = None
-        if params.structured is not None:
-            # NOTE: invariant 12: compiled (or fetched from the cache) in a child process and
-            # on a grammar thread before anything is queued: a bad grammar is a RequestError
-            # here, and the engine thread only ever sees a probed one. A cancelled wait (the
-            # client left) stops the compile when nobody else waits for it.
-            grammar = await asyncio.wrap_future(loaded.grammars.submit(params.structured))
-        return self._submit(loaded, prompt_ids, params, rid, arrival, source, grammar)
-
-    def _tokenize(self, loaded: LoadedEngine, source: PromptSource) -> list[int]:
-        admit_count(self.config, self._handle)  # NOTE: a full queue refuses before tokenizing
-        return self._encode(loaded, source)
-
-    def _encode(self, loaded: LoadedEngine, source: PromptSource) -> list[int]:
-        prompt = source.make()
-        return loaded.admission.tokenize(prompt, source.add_special_tokens, source.param)
-
     async def tokenize(
         self,
         prompt: str | None = None,
@@ -475,17 +398,16 @@ class Engine:
         await self.start()
         loaded = self._require_loaded()
         if messages is not None:
-            special = bool(add_special_tokens)
             size = chat_size(messages, limit=self.config.max_inline_prompt_chars)
-            source = PromptSource(lambda: self.render_chat(messages), special, "messages", size)
+            source = PromptSource.of_chat(messages, None, size, bool(add_special_tokens))
         elif isinstance(prompt, str):
             special = add_special_tokens is None or add_special_tokens
-            source = PromptSource(lambda: prompt, special, "prompt", len(prompt))
+            source = PromptSource.of_prompt(prompt, special, len(prompt))
         else:
             raise RequestError("give a prompt string or messages", param="prompt")
         if source.size <= self.config.max_inline_prompt_chars:
-            return self._encode(loaded, source)
-        return await self._workers.tokenize(self._encode, loaded, source)
+            return encode(loaded, source)
+        return await self._workers.tokenize(encode, loaded, source)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids`` (``tokenizer.decode``, special tokens kept); decoded on
@@ -503,107 +425,12 @@ class Engine:
             return [str(tokenizer.decode(ids)) for ids in lists]
         return await self._workers.tokenize(decode_all, tokenizer, lists)
 
-    def _submit(
-        self,
-        loaded: LoadedEngine,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        rid: str,
-        arrival: float,
-        source: PromptSource,
-        grammar: CompiledGrammar | None = None,
-    ) -> Submission:
-        """Admit a tokenized request and hand it to the engine thread (on the caller's loop);
-        with ``grammar``, each choice gets its own matcher."""
-        self._check_usable()
-        admit_count(self.config, self._handle)
-        params = loaded.admission.with_defaults(params, len(prompt_ids), chat=source.is_chat)
-        loaded.admission.check_lengths(prompt_ids, params, source.param)
-        admit_tokens(self.config, self._handle, len(prompt_ids))
-        loop = asyncio.get_running_loop()
-        bridge = self._loop_bridge(loop)
-        parent, children = self._make_states(loaded, rid, prompt_ids, params, arrival)
-        self._handle.claim(
-            parent
-        )  # NOTE: a duplicate id in flight raises before anything is queued
-        self._handle.enqueue(parent)
-        bridge.processor.add(parent, children)
-        if self._dispatcher.fatal_error is not None or self._closed:
-            bridge.drop(parent)
-            self._check_usable()
-        self._arm_queue_timeout(loop, bridge, parent)
-        share = self.config.enable_prefix_caching
-        requests = engine_requests(
-            parent, children, loaded.eos_token_id, arrival, share_prefix=share
-        )
-        if grammar is not None:
-            for request in (*requests, *parent.deferred):
-                request.grammar = grammar.new_matcher()
-        for request in requests:
-            loaded.core.add_request(request)
-        self._heartbeat.last = time.perf_counter()
-        return Submission(parent, bridge)
-
-    def _loop_bridge(self, loop: asyncio.AbstractEventLoop) -> LoopBridge:
-        """This loop's bridge (and output handler task), created on first use."""
-        on_failure = functools.partial(fail_engine, self._dispatcher, self._handle)
-        return self._dispatcher.bridge_for(
-            loop, lambda: LoopBridge(loop, self._handle, self.metrics, on_failure)
-        )
-
-    def _make_states(
-        self,
-        loaded: LoadedEngine,
-        rid: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        arrival: float,
-    ) -> tuple[ParentRequest, list[RequestState]]:
-        return make_states(
-            rid,
-            self._handle.next_submission(),
-            prompt_ids,
-            params,
-            arrival,
-            functools.partial(loaded.make_detokenizer, prompt_ids, params),
-            max_backlog_bytes=self.config.max_stream_backlog_bytes,
-            stream_interval=params.stream_interval or self.config.stream_interval,
-        )
-
-    def _arm_queue_timeout(
-        self, loop: asyncio.AbstractEventLoop, bridge: LoopBridge, parent: ParentRequest
-    ) -> None:
-        wait = self.config.max_queue_wait_s
-        if wait is not None:
-            parent.timeout = loop.call_later(wait, self._queue_timeout, bridge, parent)
-
-    def _queue_timeout(self, bridge: LoopBridge, parent: ParentRequest) -> None:
-        if parent.queued and bridge.processor.parents.get(parent.request_id) is parent:
-            bridge.drop(parent)
-            parent.collector.put(
-                QueueTimeoutError(
-                    f"request {parent.request_id} waited over max_queue_wait_s={self.config.max_queue_wait_s} s"
-                )
-            )
-
-    def _fail_all_loops(self, error: BaseException) -> None:
-        fail_loops(self._dispatcher, error)
-        for bridge in self._dispatcher.bridges():
-            with contextlib.suppress(RuntimeError):
-                bridge.loop.call_soon_threadsafe(bridge.task.cancel)
-
     def _require_loaded(self) -> LoadedEngine:
-        self._check_usable()
-        if self._loaded is None:
-            raise RuntimeError("the engine is not started yet: await engine.start() first")
-        return self._loaded
+        return self._submitter.require_loaded()
 
-    def _check_usable(self) -> None:
-        error = self._dispatcher.fatal_error
-        if error is not None:
-            raise EngineDeadError(f"the engine failed: {error!r}") from error
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
+    @property
+    def _loaded(self) -> LoadedEngine | None:
+        return self._handle.loaded
 
 
 def decode_all(tokenizer: Any, lists: list[list[int]]) -> list[str]:

@@ -2,30 +2,80 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from inlinelm.errors import RequestError
 
 Prompt = str | list[int]
 
 
 @dataclass(frozen=True, slots=True)
 class PromptSource:
-    """A prompt to make (render a chat, or return the caller's prompt), how to tokenize it,
+    """A request's input as the caller gave it: a prompt (text or token ids), or chat
+    ``messages`` (and ``tools``) to render through the chat template; how to tokenize it,
     and the field named when it is bad."""
 
-    make: Callable[[], Prompt]
+    prompt: Prompt | None
+    messages: Sequence[dict[str, Any]] | None
+    tools: Sequence[dict[str, Any]] | None
     add_special_tokens: bool
-    param: str
     # Characters of text to render and tokenize (token ids count one each; a server may
     # give its whole request's size): past ``max_inline_prompt_chars`` that work runs on a
     # worker thread.
     size: int
 
+    @classmethod
+    def of_prompt(cls, prompt: Prompt, add_special_tokens: bool, size: int) -> PromptSource:
+        """A completion's prompt, tokenized as given."""
+        return cls(prompt, None, None, add_special_tokens, size)
+
+    @classmethod
+    def of_chat(
+        cls,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None,
+        size: int,
+        add_special_tokens: bool = False,
+    ) -> PromptSource:
+        """A chat, rendered through the chat template (which adds the special tokens)."""
+        return cls(None, messages, tools, add_special_tokens, size)
+
     @property
     def is_chat(self) -> bool:
         """Rendered from messages (a chat), not the caller's prompt (a completion)."""
-        return self.param == "messages"
+        return self.messages is not None
+
+    @property
+    def param(self) -> str:
+        """The request field a bad input is reported against."""
+        return "messages" if self.is_chat else "prompt"
+
+    def make(self, tokenizer: Any) -> Prompt:
+        """The prompt to tokenize: the caller's, or the rendered chat."""
+        if self.messages is not None:
+            return render_chat(tokenizer, self.messages, self.tools)
+        assert self.prompt is not None
+        return self.prompt
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> str:
+    """The prompt text the chat template makes of ``messages`` (with the assistant turn
+    opened), and of ``tools`` when given (``apply_chat_template(..., tools=...)``); a
+    template that fails is a ``RequestError`` naming ``messages``."""
+    extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
+    try:
+        text = tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True, **extra
+        )
+    except Exception as e:
+        raise RequestError(f"cannot apply the chat template: {e}", param="messages") from e
+    return str(text)
 
 
 def chat_size(

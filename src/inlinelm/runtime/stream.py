@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
+from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from inlinelm.runtime.bridge import LoopBridge
 from inlinelm.runtime.collector import RequestOutputCollector
@@ -34,6 +34,14 @@ class Submission:
             bridge.abort_soon(self.parent)
 
 
+class Pending(Protocol):
+    """A request not handed to the engine yet (``runtime.submission.LazySubmission``)."""
+
+    async def submit(self) -> Submission:
+        """Hand the request over (starting the engine, tokenizing, compiling first)."""
+        ...
+
+
 class RequestStream:
     """One request's outputs.
 
@@ -48,12 +56,12 @@ class RequestStream:
     def __init__(
         self,
         request_id: str,
-        submit: Callable[[], Awaitable[Submission]],
+        pending: Pending,
         *,
         delta: bool,
     ) -> None:
         self.request_id = request_id
-        self._submit = submit
+        self._pending = pending
         self._delta = delta
         self._submission: Submission | None = None
         self._collector: RequestOutputCollector | None = None
@@ -80,7 +88,7 @@ class RequestStream:
         raises ``RequestError`` here.
         """
         if self._submission is None and not self._closed:
-            self._attach(await self._submit())
+            self._attach(await self._pending.submit())
 
     def __aiter__(self) -> AsyncGenerator[RequestOutput, None]:
         return self._iterate()

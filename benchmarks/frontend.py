@@ -326,7 +326,6 @@ async def run_once(
                     step_index=k,
                     step_start=start,
                     step_end=time.perf_counter(),
-                    num_running=batch,
                 )
             )
             done.wait()

@@ -337,7 +337,7 @@ async def check_released(engine: Engine, problems: Problems, timeout: float = DR
         num_live_states(engine),
         engine.stats()["num_queued"],
         core.scheduler.has_unfinished_requests(),
-        core.num_free_blocks == core.num_kv_blocks,
+        core.stats.num_free_blocks == core.stats.num_kv_blocks,
     )
     problems.check(left == ((0, 0), 0, False, True), f"left after the fault: {left}")
 

@@ -304,7 +304,7 @@ def test_a_fault_of_the_output_handler_itself_ends_every_stream_and_marks_the_en
         # The engine thread was stopped: it freed every block on its way out.
         core = engine._loaded.core  # type: ignore[union-attr]
         assert await asyncio.to_thread(core.join, WAIT_S)
-        assert core.num_free_blocks == core.num_kv_blocks
+        assert core.stats.num_free_blocks == core.stats.num_kv_blocks
         await asyncio.wait_for(engine.aclose(), WAIT_S)
         async with echo_engine() as fresh:
             assert (await fresh.stream("a new engine", max_tokens=None)).outputs[

@@ -128,7 +128,7 @@ def test_streams_open_at_close_get_engine_closed_error() -> None:
         errors = await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
         assert all(isinstance(e, EngineClosedError) for e in errors), errors
         assert not core.is_alive
-        assert core.num_free_blocks == core.num_kv_blocks
+        assert core.stats.num_free_blocks == core.stats.num_kv_blocks
 
     run(main())
 

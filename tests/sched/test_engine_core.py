@@ -39,10 +39,16 @@ class Sink:
         self.tokens: dict[str, list[int]] = defaultdict(list)
         self.finished: dict[str, FinishReason] = {}
         self.done = threading.Event()
+        # The running requests each post saw (set ``core`` to record them; the core
+        # publishes its stats before it posts the step).
+        self.core: EngineCore | None = None
+        self.running: list[int] = []
 
     def __call__(self, batch: EngineCoreOutputs) -> None:
         assert threading.current_thread().name == "inlinelm-engine"
         self.batches.append(batch)
+        if self.core is not None:
+            self.running.append(self.core.stats.num_running)
         for output in batch.outputs:
             assert output.request_id not in self.finished, "output after finish"
             self.tokens[output.request_id].extend(output.new_token_ids)
@@ -134,6 +140,7 @@ def test_256_concurrent_requests_get_their_exact_echo() -> None:
     config = make_config(max_num_batched_tokens=16384)
     sink = Sink(set(prompts))
     core = EngineCore(config, EchoRunner(config, 2048, EOS, check_kv=True), EOS, sink)
+    sink.core = core
     # All queued before the thread starts, so the first step admits all 256 at once.
     for request_id, prompt in prompts.items():
         core.add_request(make_request(request_id, prompt, max_tokens=40))
@@ -144,9 +151,9 @@ def test_256_concurrent_requests_get_their_exact_echo() -> None:
         assert sink.tokens[request_id] == expected_echo(prompt, 40)
     assert [b.step_index for b in sink.batches] == list(range(len(sink.batches)))
     assert all(b.step_start <= b.step_end for b in sink.batches)
-    assert max(b.num_running for b in sink.batches) == 256
-    assert sink.batches[-1].num_running == 0
-    assert core.num_free_blocks == core.num_kv_blocks == 2048
+    assert max(sink.running) == 256
+    assert sink.running[-1] == 0
+    assert core.stats.num_free_blocks == core.stats.num_kv_blocks == 2048
 
 
 def test_a_tiny_kv_cache_preempts_and_still_completes_everything() -> None:
@@ -161,9 +168,9 @@ def test_a_tiny_kv_cache_preempts_and_still_completes_everything() -> None:
     assert core.scheduler.num_preemptions > 0
     for request_id, prompt in prompts.items():
         assert sink.tokens[request_id] == expected_echo(prompt, 32)
-    assert core.num_free_blocks == 40
-    assert core.num_prefix_hit_tokens > 0
-    assert core.num_prefix_queried_tokens > core.num_prefix_hit_tokens
+    assert core.stats.num_free_blocks == 40
+    assert core.stats.num_prefix_hit_tokens > 0
+    assert core.stats.num_prefix_queried_tokens > core.stats.num_prefix_hit_tokens
 
 
 def test_exits_on_shutdown_when_idle() -> None:
@@ -193,7 +200,7 @@ def test_shutdown_mid_step_posts_that_step_and_frees_every_block() -> None:
     assert [b.step_index for b in sink.batches] == list(range(num_steps))
     assert sink.tokens["a"] == [10, 11, 12][:num_steps]
     assert runner.closed
-    assert core.num_free_blocks == 64
+    assert core.stats.num_free_blocks == 64
     assert not core.scheduler.has_unfinished_requests()
 
 
@@ -212,7 +219,7 @@ def test_runner_error_is_reported_once_and_the_thread_exits_with_blocks_free() -
     assert errors[0].outputs == []
     assert sink.batches[-1] is errors[0]
     assert runner.closed
-    assert core.num_free_blocks == 64
+    assert core.stats.num_free_blocks == 64
     assert core.scheduler.num_free_blocks == 64
 
 
@@ -237,7 +244,7 @@ def test_abort_mid_step_gets_no_further_output_and_add_mid_step_is_queued() -> N
     assert sink.tokens["c"] == [30, 31, EOS]
     # c is admitted by the first step scheduled after the abort was applied.
     assert min(sink.batches_with("c")) == (4 if PIPELINED[0] else 3)
-    assert core.num_free_blocks == 64
+    assert core.stats.num_free_blocks == 64
 
 
 def test_abort_of_a_request_that_never_ran_is_posted_without_a_step() -> None:

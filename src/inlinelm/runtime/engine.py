@@ -224,12 +224,12 @@ class Engine:
     @property
     def num_kv_blocks(self) -> int:
         """Size of the KV block pool."""
-        return self._require_loaded().core.num_kv_blocks
+        return self._require_loaded().core.stats.num_kv_blocks
 
     @property
     def num_free_kv_blocks(self) -> int:
         """Free KV blocks after the last engine step."""
-        return self._require_loaded().core.num_free_blocks
+        return self._require_loaded().core.stats.num_free_blocks
 
     def stats(self) -> EngineStats:
         """Engine-wide numbers: queues, KV use, prefix-cache hit rate, histograms, coalescing,

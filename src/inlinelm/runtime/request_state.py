@@ -54,7 +54,6 @@ class RequestState:
     stream_interval: int
     num_sent_tokens: int = 0
     num_unsent_steps: int = 0
-    num_sent_logprobs: int = 0
     logprobs: list[TokenLogprobs] | None = field(default=None)
 
 

@@ -138,36 +138,6 @@ class EngineCore:
         """The snapshot published after the last step."""
         return self._stats
 
-    @property
-    def num_running(self) -> int:
-        """Running requests after the last step."""
-        return self._stats.num_running
-
-    @property
-    def num_waiting(self) -> int:
-        """Waiting requests after the last step."""
-        return self._stats.num_waiting
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Free KV blocks after the last step."""
-        return self._stats.num_free_blocks
-
-    @property
-    def num_kv_blocks(self) -> int:
-        """Size of the KV block pool."""
-        return self._stats.num_kv_blocks
-
-    @property
-    def num_prefix_queried_tokens(self) -> int:
-        """Prompt tokens looked up in the prefix cache so far."""
-        return self._stats.num_prefix_queried_tokens
-
-    @property
-    def num_prefix_hit_tokens(self) -> int:
-        """Prompt tokens served from the prefix cache so far."""
-        return self._stats.num_prefix_hit_tokens
-
     # -- engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
@@ -262,16 +232,12 @@ class EngineCore:
         self._post(self._take_pending(), self._step_index, time.perf_counter())
 
     def _post(self, outputs: list[EngineCoreOutput], step_index: int, step_start: float) -> None:
-        stats = self._stats
         self._sink(
             EngineCoreOutputs(
                 outputs=outputs,
                 step_index=step_index,
                 step_start=step_start,
                 step_end=time.perf_counter(),
-                num_running=stats.num_running,
-                num_waiting=stats.num_waiting,
-                num_kv_blocks_used=stats.num_kv_blocks - stats.num_free_blocks,
             )
         )
 

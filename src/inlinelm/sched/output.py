@@ -77,7 +77,4 @@ class EngineCoreOutputs:
     step_index: int = 0
     step_start: float = 0.0
     step_end: float = 0.0
-    num_running: int = 0
-    num_waiting: int = 0
-    num_kv_blocks_used: int = 0
     error: BaseException | None = None

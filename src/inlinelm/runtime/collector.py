@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from inlinelm.runtime.outputs import CompletionOutput, RequestOutput
+from inlinelm.runtime.outputs import RequestOutput, merge_choice
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class RequestOutputCollector:
 
     def _merge(self, current: RequestOutput, new: RequestOutput) -> None:
         for choice in new.outputs:
-            _merge_choice(current.outputs, choice, delta=self._delta)
+            merge_choice(current.outputs, choice, delta=self._delta)
         current.finished = new.finished
         current.num_cached_tokens = new.num_cached_tokens
         self.num_merges += 1
@@ -102,23 +102,6 @@ class RequestOutputCollector:
                 current.request_id,
                 BACKLOG_WARNING_MERGES,
             )
-
-
-def _merge_choice(choices: list[CompletionOutput], new: CompletionOutput, *, delta: bool) -> None:
-    for i, old in enumerate(choices):
-        if old.index != new.index:
-            continue
-        if not delta:
-            choices[i] = new
-            return
-        old.text += new.text
-        old.token_ids.extend(new.token_ids)
-        if new.logprobs is not None:
-            old.logprobs = (old.logprobs or []) + new.logprobs
-        old.finish_reason = new.finish_reason
-        old.stop_reason = new.stop_reason
-        return
-    choices.append(new)
 
 
 def _utf8_len(output: RequestOutput) -> int:

@@ -103,6 +103,37 @@ class RequestOutput:
         return self.outputs[0].logprobs if self.outputs else None
 
 
+def merge_choice(
+    choices: list[CompletionOutput], new: CompletionOutput, *, delta: bool, copy: bool = False
+) -> None:
+    """Fold ``new`` into the choice of ``choices`` with its index: appended to it when
+    ``delta`` (text, token ids, logprobs; the finish reason replaced), else replacing it.
+    A choice seen for the first time is appended, as a copy with ``copy`` (when ``new``
+    also reaches the caller, who must not see it grow)."""
+    for i, old in enumerate(choices):
+        if old.index != new.index:
+            continue
+        if not delta:
+            choices[i] = new
+            return
+        old.text += new.text
+        old.token_ids.extend(new.token_ids)
+        if new.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + new.logprobs
+        old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        return
+    if copy:
+        new = CompletionOutput(
+            new.index,
+            new.text,
+            list(new.token_ids),
+            new.finish_reason,
+            new.stop_reason,
+            new.logprobs,
+        )
+    choices.append(new)
+
+
 def aborted_output(parent: Any, indices: list[int]) -> RequestOutput:
     """The last output of a request its owner aborted: its open choices end with ``abort``."""
     choices = [CompletionOutput(i, "", [], "abort") for i in indices]

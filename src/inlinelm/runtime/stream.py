@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from inlinelm.runtime.bridge import LoopBridge
 from inlinelm.runtime.collector import RequestOutputCollector
-from inlinelm.runtime.outputs import CompletionOutput, RequestOutput
+from inlinelm.runtime.outputs import RequestOutput, merge_choice
 from inlinelm.runtime.request_state import ParentRequest
 
 
@@ -165,23 +165,5 @@ class RequestStream:
         whole.finished = out.finished
         whole.num_cached_tokens = out.num_cached_tokens
         for choice in out.outputs:
-            _fold(whole.outputs, choice, delta=self._delta)
+            merge_choice(whole.outputs, choice, delta=self._delta, copy=True)
         whole.outputs.sort(key=lambda c: c.index)
-
-
-def _fold(choices: list[CompletionOutput], new: CompletionOutput, *, delta: bool) -> None:
-    for i, old in enumerate(choices):
-        if old.index == new.index:
-            if delta:
-                old.text += new.text
-                old.token_ids.extend(new.token_ids)
-                if new.logprobs is not None:
-                    old.logprobs = (old.logprobs or []) + new.logprobs
-                old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
-            else:
-                choices[i] = new
-            return
-    copy = CompletionOutput(
-        new.index, new.text, list(new.token_ids), new.finish_reason, new.stop_reason, new.logprobs
-    )
-    choices.append(copy)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NoReturn
 
 from inlinelm.errors import RequestError, did_you_mean
 from inlinelm.structured.spec import StructuredOutput
 
-_MAX_LOGPROBS = 20
 # What ``torch.Generator.manual_seed`` takes: an int64 or a uint64.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
@@ -43,6 +42,26 @@ ENGINE_DEFAULTED = tuple(UNSET_VALUES)
 ``generation_config.json`` and its ``default_*`` options."""
 
 
+class LogitBias(dict[int, float]):
+    """``SamplingParams.logit_bias``: a dict that refuses changes once made, so a request's
+    params can be shared with the engine thread without a copy."""
+
+    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
+        raise TypeError("SamplingParams.logit_bias cannot be changed: derive new params")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+    __ior__ = _refuse
+
+    def __reduce__(self) -> tuple[type[LogitBias], tuple[dict[int, float]]]:
+        return (LogitBias, (dict(self),))
+
+    def __copy__(self) -> LogitBias:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> LogitBias:
+        return self
+
+
 class OutputKind(enum.Enum):
     """How a stream reports progress: new text only, all text so far, or only the end."""
 
@@ -66,10 +85,15 @@ class SamplingParams:
     outside an engine they hold ``UNSET_VALUES`` (max_tokens 16, temperature 1.0, …).
     ``max_tokens=None`` set explicitly means "up to the end of the context".
 
-    Immutable: fields cannot be reassigned, and the list and dict fields are copies of what
-    the caller passed, so nothing the caller still holds reaches the engine thread (the
-    engine also takes its own :meth:`copy` at submit). Use :meth:`with_overrides` to derive
+    Immutable: fields cannot be reassigned, ``stop`` and ``stop_token_ids`` are stored as
+    tuples and ``logit_bias`` as a read-only dict, each a copy of what the caller passed,
+    so nothing the caller still holds reaches the engine thread and the engine shares the
+    params it was given. Validated once, when made; use :meth:`with_overrides` to derive
     (``dataclasses.replace`` would mark every field as set).
+
+    ``n`` and ``logprobs`` are checked for their type and sign here; the most one request
+    may ask for is the engine's rule (``EngineConfig.max_n``, ``max_logprobs``), checked
+    when the request is submitted.
     """
 
     n: int = 1
@@ -83,12 +107,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = UNSET
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: Mapping[int, float] = field(default_factory=LogitBias)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: OutputKind = OutputKind.DELTA
@@ -104,14 +128,13 @@ class SamplingParams:
         for name in unset:
             object.__setattr__(self, name, UNSET_VALUES[name])
         object.__setattr__(self, "_unset", unset)
-        stop = [self.stop] if isinstance(self.stop, str) else _copy_list(self.stop, "stop")
+        stop = (self.stop,) if isinstance(self.stop, str) else _tuple(self.stop, "stop")
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(
-            self, "stop_token_ids", _copy_list(self.stop_token_ids, "stop_token_ids")
-        )
+        object.__setattr__(self, "stop_token_ids", _tuple(self.stop_token_ids, "stop_token_ids"))
         if not isinstance(self.logit_bias, dict):
             raise RequestError("invalid logit_bias: must be a dict", param="logit_bias")
-        object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+        if type(self.logit_bias) is not LogitBias:
+            object.__setattr__(self, "logit_bias", LogitBias(self.logit_bias))
         if isinstance(self.output_kind, str):
             object.__setattr__(self, "output_kind", _parse_output_kind(self.output_kind))
         self._validate()
@@ -149,16 +172,44 @@ class SamplingParams:
 
     def with_defaults(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """A copy whose unset fields take their value from ``defaults`` (the fields it names);
-        ``self`` when there is nothing to fill."""
+        ``self`` when there is nothing to fill.
+
+        ``defaults`` are an engine's sampling defaults, each checked when the engine
+        loaded (``EngineConfig.sampling_defaults``), so only the rule that ties a default
+        to the caller's own fields is checked again: min_tokens <= max_tokens."""
         fill = {name: defaults[name] for name in self._unset if name in defaults}
-        return self.with_overrides(**fill) if fill else self
+        if not fill:
+            return self
+        filled = self._derive(fill, self._unset - fill.keys())
+        max_tokens = filled.max_tokens
+        _check(
+            max_tokens is None or "max_tokens" in filled._unset or filled.min_tokens <= max_tokens,
+            "min_tokens",
+            "must not exceed max_tokens",
+        )
+        return filled
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The params of choice ``index`` of an ``n > 1`` request: ``n=1``, and its own seed
+        (``seed + index``, which validation already held within range)."""
+        seed = None if self.seed is None else self.seed + index
+        return self._derive({"n": 1, "seed": seed}, self._unset)
 
     def copy(self) -> SamplingParams:
-        """An independent copy (its lists and dict are new objects)."""
-        return self.with_overrides()
+        """``self``: params are immutable, so a copy would be the same value."""
+        return self
+
+    def _derive(self, changes: Mapping[str, Any], unset: Iterable[str]) -> SamplingParams:
+        """A copy with ``changes`` (values known to be valid) and ``unset`` as its unset
+        fields, not validated again."""
+        derived: SamplingParams = object.__new__(SamplingParams)
+        for name in _init_names():
+            object.__setattr__(derived, name, changes.get(name, getattr(self, name)))
+        object.__setattr__(derived, "_unset", frozenset(unset))
+        return derived
 
     def _validate(self) -> None:
-        _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "must be an int in [1, 128]")
+        _check(_is_int(self.n) and self.n >= 1, "n", "must be a positive int")
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             "max_tokens",
@@ -218,10 +269,9 @@ class SamplingParams:
             "must be token ids",
         )
         _check(
-            self.logprobs is None
-            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= _MAX_LOGPROBS),
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
             "logprobs",
-            f"must be in [0, {_MAX_LOGPROBS}] or None",
+            "must be an int >= 0 or None",
         )
         _check(
             all(
@@ -254,9 +304,9 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _copy_list(value: object, name: str) -> list[Any]:
+def _tuple(value: object, name: str) -> tuple[Any, ...]:
     if isinstance(value, (list, tuple)):
-        return list(value)
+        return tuple(value)
     raise RequestError(f"invalid {name}: must be a list", param=name)
 
 

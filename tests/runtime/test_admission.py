@@ -212,7 +212,7 @@ def test_a_lazy_stream_raises_its_request_error_on_first_read() -> None:
 
 INVALID = [
     ("n", 0),
-    ("n", 129),
+    ("n", 2.0),
     ("max_tokens", 0),
     ("min_tokens", -1),
     ("temperature", -0.5),
@@ -227,7 +227,8 @@ INVALID = [
     ("seed", "42"),
     ("stop", [""]),
     ("stop_token_ids", [-1]),
-    ("logprobs", 21),
+    ("logprobs", -1),
+    ("logprobs", True),
     ("logit_bias", {5: 101.0}),
     ("stream_interval", 0),
     ("output_kind", "sometimes"),
@@ -267,6 +268,10 @@ def test_invalid_overrides_raise_from_stream_and_register_nothing() -> None:
 
 
 def test_engine_limits_on_n_and_logprobs_are_enforced_by_stream() -> None:
+    # NOTE: the one check of how many choices and logprobs a request may ask for: params
+    # alone hold any positive n and any logprobs >= 0.
+    assert SamplingParams(n=129, logprobs=21).n == 129
+
     async def main() -> None:
         async with echo_engine(max_n=4, max_logprobs=5) as engine:
             with pytest.raises(RequestError) as info:

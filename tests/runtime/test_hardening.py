@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import pickle
 import threading
 from pathlib import Path
 from typing import Any
@@ -345,14 +346,18 @@ def test_sampling_params_are_immutable_and_own_their_lists() -> None:
     params = SamplingParams(stop=stop, logit_bias=bias)
     stop.append("y")
     bias[6] = 2.0
-    assert params.stop == ["x"]
+    assert params.stop == ("x",)
     assert params.logit_bias == {5: 1.0}
     with pytest.raises(dataclasses.FrozenInstanceError):
         params.max_tokens = 3  # type: ignore[misc]
-    copy = params.copy()
-    assert copy == params
-    assert copy.stop is not params.stop
-    assert copy.logit_bias is not params.logit_bias
+    with pytest.raises(TypeError):
+        params.logit_bias[6] = 2.0  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        params.stop.append("y")  # type: ignore[attr-defined]
+    assert params.logit_bias == {5: 1.0}
+    # NOTE: nothing in it can change, so it is shared, never copied.
+    assert params.copy() is params
+    assert pickle.loads(pickle.dumps(params)) == params
 
 
 def test_nothing_the_caller_still_holds_reaches_the_engine_thread() -> None:
@@ -369,11 +374,9 @@ def test_nothing_the_caller_still_holds_reaches_the_engine_thread() -> None:
                 stream = engine.stream(ids, params)
                 await wait_event(gate.entered)
                 ids.append(99)
-                params.stop.append("mutated")
             out = await stream
             assert added[0].prompt_token_ids == ids[:-1]
-            assert added[0].params.stop == ["never"]
-            assert added[0].params is not params
+            assert added[0].params.stop == ("never",)
             assert out.outputs[0].text == echo_text(engine, "owned prompt")
 
     run(main())

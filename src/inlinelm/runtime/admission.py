@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ def check_limits(config: EngineConfig, params: SamplingParams) -> None:
     check_stop_limits(config, params.stop)
 
 
-def check_stop_limits(config: EngineConfig, stop: list[str]) -> None:
+def check_stop_limits(config: EngineConfig, stop: Sequence[str]) -> None:
     """At most ``max_stop_strings`` stop strings, none longer than ``max_stop_string_chars``:
     every choice matches them against its text on the event loop."""
     if len(stop) > config.max_stop_strings:

@@ -120,7 +120,7 @@ def engine_requests(
         Request(
             child.request_id,
             parent.prompt_token_ids,
-            params if params.n == 1 else _child_params(params, i),
+            params if params.n == 1 else params.for_choice(i),
             eos_token_id,
             arrival_time=arrival,
         )
@@ -129,8 +129,3 @@ def engine_requests(
     share = share_prefix and params.n > 1
     parent.deferred = requests[1:] if share else []
     return requests[:1] if share else requests
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    seed = None if params.seed is None else params.seed + index
-    return params.with_overrides(n=1, seed=seed)

@@ -13,8 +13,8 @@ import pytest
 
 from inlinelm.api import create_app
 from inlinelm.config import EngineConfig
-from inlinelm.runtime import engine as engine_module
-from inlinelm.runtime.engine import decode_all
+from inlinelm.runtime import submission as submission_module
+from inlinelm.runtime.workers import decode_all
 from tests.api.conftest import ServerThread, serve
 from tests.runtime.helpers import echo_engine, run
 
@@ -100,11 +100,11 @@ def threads(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> Iterator[T
     saved = {name: getattr(tokenizer, name) for name in ("encode", "decode")}
     for name in saved:
         threads.wrap(tokenizer, name)
-    threads.wrap(engine_module, "decode_all")
+    threads.wrap(submission_module, "decode_all")
     yield threads
     for name, method in saved.items():
         setattr(tokenizer, name, method)
-    monkeypatch.setattr(engine_module, "decode_all", decode_all)
+    monkeypatch.setattr(submission_module, "decode_all", decode_all)
 
 
 def post(server: ServerThread, path: str, body: dict[str, Any]) -> httpx.Response:

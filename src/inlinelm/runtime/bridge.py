@@ -345,3 +345,29 @@ def fail_engine(
     if core is not None:
         core.shutdown()
     return error
+
+
+def engine_health(
+    handle: CoreHandle,
+    dispatcher: OutputDispatcher,
+    heartbeat: Heartbeat,
+    step_timeout_s: float,
+    detail: bool,
+) -> tuple[bool, str]:
+    """``Engine.health``: ``(True, "ok")``, or ``(False, reason)`` when closed, dead, not
+    started yet, or stuck in a step while callers wait."""
+    if handle.closed:
+        return False, "closed"
+    error = dispatcher.fatal_error
+    if error is not None:
+        cause = type(error).__name__
+        return False, f"dead: {cause}: {error}" if detail else f"dead: {cause}"
+    if handle.loaded is None:
+        return False, "starting"
+    # NOTE: busy is judged by the requests callers wait for, not by the core's stats,
+    # which are published after each step and so miss a first step that never ends.
+    busy = any(bridge.processor.parents for bridge in dispatcher.bridges())
+    idle_for = time.perf_counter() - heartbeat.last
+    if busy and idle_for > step_timeout_s:
+        return False, f"stuck: no engine step finished for {idle_for:.1f} s"
+    return True, "ok"

@@ -21,6 +21,7 @@ from inlinelm.runtime.bridge import (
     Heartbeat,
     OutputDispatcher,
     close_loops,
+    engine_health,
     post_outputs,
 )
 from inlinelm.runtime.loader import LoadedEngine, load_engine
@@ -31,9 +32,16 @@ from inlinelm.runtime.metrics import (
     engine_stats,
 )
 from inlinelm.runtime.outputs import RequestOutput
-from inlinelm.runtime.prompt_source import Prompt, PromptSource, chat_size, render_chat
+from inlinelm.runtime.prompt_source import (
+    Prompt,
+    PromptSource,
+    chat_size,
+    conversation_batch,
+    prompt_batch,
+    render_chat,
+)
 from inlinelm.runtime.stream import RequestStream
-from inlinelm.runtime.submission import Submitter, encode
+from inlinelm.runtime.submission import Submitter
 from inlinelm.runtime.sync import generate_all, run_sync
 from inlinelm.runtime.workers import Workers
 from inlinelm.sampling_params import SamplingParams
@@ -160,21 +168,9 @@ class Engine:
         A death's reason names the error's class and, with ``detail``, its message (which
         may hold internals: an HTTP server shows clients the class only).
         """
-        if self._handle.closed:
-            return False, "closed"
-        error = self._dispatcher.fatal_error
-        if error is not None:
-            cause = type(error).__name__
-            return False, f"dead: {cause}: {error}" if detail else f"dead: {cause}"
-        if self._handle.loaded is None:
-            return False, "starting"
-        # NOTE: busy is judged by the requests callers wait for, not by the core's stats,
-        # which are published after each step and so miss a first step that never ends.
-        busy = any(bridge.processor.parents for bridge in self._dispatcher.bridges())
-        idle_for = time.perf_counter() - self._heartbeat.last
-        if busy and idle_for > self.config.step_timeout_s:
-            return False, f"stuck: no engine step finished for {idle_for:.1f} s"
-        return True, "ok"
+        return engine_health(
+            self._handle, self._dispatcher, self._heartbeat, self.config.step_timeout_s, detail
+        )
 
     def __repr__(self) -> str:
         """What the engine serves and its state, e.g. ``<Engine model='default' on cpu:
@@ -187,12 +183,7 @@ class Engine:
         if self._start_future is None and not self._handle.closed:
             state = "not started"
         elif ok or reason.startswith("stuck"):
-            stats = self.stats()
-            state = (
-                f"{'ready' if ok else reason}, {stats['num_running']} running, "
-                f"{stats['num_waiting']} waiting, "
-                f"KV blocks {stats['kv_blocks_used']}/{stats['kv_blocks_total']} used"
-            )
+            state = self.stats().summary("ready" if ok else reason)
         else:
             state = reason
         return f"<Engine {served} on {config.device}: {state}>"
@@ -236,19 +227,13 @@ class Engine:
         and the grammar cache (hits, misses, compiles abandoned by their clients, entries and
         their estimated bytes). A dict, which a notebook shows as a short table."""
         loaded = self._handle.loaded
-        stats = engine_stats(
+        return engine_stats(
             loaded.core.stats if loaded is not None else None,
             self.metrics,
             num_queued=self._handle.num_queued_requests,
             num_coalesced_steps=sum(b.num_coalesced_steps for b in self._dispatcher.bridges()),
+            grammars=loaded.grammars.stats if loaded is not None else CacheStats(),
         )
-        cache = loaded.grammars.stats if loaded is not None else CacheStats()
-        stats["grammar_cache_hits"] = cache.hits
-        stats["grammar_cache_misses"] = cache.misses
-        stats["grammar_compiles_abandoned"] = cache.abandoned
-        stats["grammar_cache_entries"] = cache.num_entries
-        stats["grammar_cache_bytes"] = cache.num_bytes
-        return stats
 
     def register_metrics(self, registry: Any) -> None:
         """Register a Prometheus collector for this engine on ``registry``."""
@@ -343,17 +328,9 @@ class Engine:
         cell): it then runs on a private loop in a helper thread. In async code use
         :meth:`stream` instead.
         """
-        batch: list[Prompt] = (
-            [prompts]  # type: ignore[list-item]  # one prompt: text or token ids
-            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-            else list(prompts)  # type: ignore[arg-type]  # a list of prompts
-        )
         request_params = _params(params, overrides)
-        return run_sync(
-            generate_all(
-                self.start, batch, lambda prompt: self.stream(prompt, request_params), use_tqdm
-            )
-        )
+        opened = functools.partial(self.stream, params=request_params)
+        return run_sync(generate_all(self.start, prompt_batch(prompts), opened, use_tqdm))
 
     def generate_chat(
         self,
@@ -372,16 +349,10 @@ class Engine:
         conversation, in order; runs from scripts, threads and Jupyter cells like
         :meth:`generate`.
         """
-        batch: list[Sequence[dict[str, Any]]] = (
-            [conversations]  # type: ignore[list-item]  # one conversation: messages
-            if conversations and isinstance(conversations[0], dict)
-            else list(conversations)  # type: ignore[arg-type]  # a list of conversations
-        )
         request_params = _params(params, overrides)
+        opened = functools.partial(self.chat, params=request_params)
         return run_sync(
-            generate_all(
-                self.start, batch, lambda messages: self.chat(messages, request_params), use_tqdm
-            )
+            generate_all(self.start, conversation_batch(conversations), opened, use_tqdm)
         )
 
     async def tokenize(
@@ -395,8 +366,6 @@ class Engine:
         default as :meth:`stream` and :meth:`chat` would send them: special tokens added to
         a prompt, not to a rendered chat). Large inputs are tokenized off the event loop;
         untokenizable text raises ``RequestError``."""
-        await self.start()
-        loaded = self._require_loaded()
         if messages is not None:
             size = chat_size(messages, limit=self.config.max_inline_prompt_chars)
             source = PromptSource.of_chat(messages, None, size, bool(add_special_tokens))
@@ -405,9 +374,7 @@ class Engine:
             source = PromptSource.of_prompt(prompt, special, len(prompt))
         else:
             raise RequestError("give a prompt string or messages", param="prompt")
-        if source.size <= self.config.max_inline_prompt_chars:
-            return encode(loaded, source)
-        return await self._workers.tokenize(encode, loaded, source)
+        return await self._submitter.token_ids(source)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids`` (``tokenizer.decode``, special tokens kept); decoded on
@@ -418,12 +385,7 @@ class Engine:
     async def detokenize_all(self, prompts: Sequence[Sequence[int]]) -> list[str]:
         """:meth:`detokenize` for several token-id lists at once: off the event loop when
         they hold more than ``max_inline_prompt_chars // 4`` ids together."""
-        await self.start()
-        tokenizer = self._require_loaded().tokenizer
-        lists = [list(ids) for ids in prompts]
-        if sum(map(len, lists)) <= self.config.max_inline_prompt_chars // 4:
-            return [str(tokenizer.decode(ids)) for ids in lists]
-        return await self._workers.tokenize(decode_all, tokenizer, lists)
+        return await self._submitter.texts([list(ids) for ids in prompts])
 
     def _require_loaded(self) -> LoadedEngine:
         return self._submitter.require_loaded()
@@ -431,19 +393,6 @@ class Engine:
     @property
     def _loaded(self) -> LoadedEngine | None:
         return self._handle.loaded
-
-
-def decode_all(tokenizer: Any, lists: list[list[int]]) -> list[str]:
-    """``[tokenizer.decode(ids) for ids in lists]``, with the GIL released while it runs
-    when the tokenizer is a fast one (the Rust batch decode; transformers' own decode holds
-    the GIL for the whole call, which stalls the event loop however many threads there are)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        # NOTE: transformers' space cleanup (its rules vary by version) follows the Rust
-        # decode only through its own decode.
-        return [str(tokenizer.decode(ids)) for ids in lists]
-    texts: list[str] = backend.decode_batch(lists, skip_special_tokens=False)
-    return texts
 
 
 def _shutdown(loaded: LoadedEngine) -> None:

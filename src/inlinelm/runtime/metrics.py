@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from inlinelm.sched.engine_core import EngineCoreStats
+    from inlinelm.structured.compiler import CacheStats
 
 LATENCY_BUCKETS = (
     0.001,
@@ -170,6 +171,13 @@ class EngineStats(dict[str, Any]):
     """The ``Engine.stats()`` dict, which a notebook shows as a short table (one row per
     number, the finish counts on one row, each histogram as its count and mean)."""
 
+    def summary(self, state: str) -> str:
+        """One line for ``repr(engine)``: ``state`` and the queues and KV blocks in use."""
+        return (
+            f"{state}, {self['num_running']} running, {self['num_waiting']} waiting, "
+            f"KV blocks {self['kv_blocks_used']}/{self['kv_blocks_total']} used"
+        )
+
     def rows(self) -> list[tuple[str, str]]:
         """(name, value) pairs of the table."""
         rows = [(name, _cell(value)) for name, value in self.items() if not isinstance(value, dict)]
@@ -204,8 +212,10 @@ def engine_stats(
     *,
     num_queued: int,
     num_coalesced_steps: int,
+    grammars: CacheStats,
 ) -> EngineStats:
-    """The ``Engine.stats()`` dict: queues, KV use, prefix-cache hit rate, histograms."""
+    """The ``Engine.stats()`` dict: queues, KV use, prefix-cache hit rate, histograms, and
+    the grammar cache."""
     queried = core.num_prefix_queried_tokens if core else 0
     with metrics.lock:
         histograms = {name: h.snapshot() for name, h in metrics.histograms().items()}
@@ -228,5 +238,10 @@ def engine_stats(
             "num_coalesced_steps": num_coalesced_steps,
             "finished": finished,
             "histograms": histograms,
+            "grammar_cache_hits": grammars.hits,
+            "grammar_cache_misses": grammars.misses,
+            "grammar_compiles_abandoned": grammars.abandoned,
+            "grammar_cache_entries": grammars.num_entries,
+            "grammar_cache_bytes": grammars.num_bytes,
         }
     )

@@ -60,6 +60,23 @@ class PromptSource:
         return self.prompt
 
 
+def prompt_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """``generate``'s prompts as a list: one prompt (text or token ids), or a list of them."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]  # one prompt: text or token ids
+    return list(prompts)  # type: ignore[arg-type]  # a list of prompts
+
+
+def conversation_batch(
+    conversations: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+) -> list[Sequence[dict[str, Any]]]:
+    """``generate_chat``'s conversations as a list: one conversation (a list of messages),
+    or a list of them."""
+    if conversations and isinstance(conversations[0], dict):
+        return [conversations]  # type: ignore[list-item]  # one conversation: messages
+    return list(conversations)  # type: ignore[arg-type]  # a list of conversations
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[dict[str, Any]],

@@ -44,7 +44,7 @@ from inlinelm.runtime.request_state import (
     make_states,
 )
 from inlinelm.runtime.stream import RequestStream, Submission
-from inlinelm.runtime.workers import Workers
+from inlinelm.runtime.workers import Workers, decode_all
 from inlinelm.sampling_params import OutputKind, SamplingParams
 from inlinelm.structured.compiler import CompiledGrammar
 
@@ -156,6 +156,24 @@ class Submitter:
         """The prompt's token ids, once the queue has room for one more request."""
         admit_count(self.config, self._handle)  # NOTE: a full queue refuses before tokenizing
         return encode(loaded, source)
+
+    async def token_ids(self, source: PromptSource) -> list[int]:
+        """The token ids of ``source``, as a request would send them (``Engine.tokenize``):
+        a large input is rendered and tokenized on a worker thread."""
+        await self._start()
+        loaded = self.require_loaded()
+        if source.size <= self.config.max_inline_prompt_chars:
+            return encode(loaded, source)
+        return await self._workers.tokenize(encode, loaded, source)
+
+    async def texts(self, lists: list[list[int]]) -> list[str]:
+        """The text of each token-id list (``Engine.detokenize_all``): decoded on a worker
+        thread past ``max_inline_prompt_chars // 4`` ids in all."""
+        await self._start()
+        tokenizer = self.require_loaded().tokenizer
+        if sum(map(len, lists)) <= self.config.max_inline_prompt_chars // 4:
+            return [str(tokenizer.decode(ids)) for ids in lists]
+        return await self._workers.tokenize(decode_all, tokenizer, lists)
 
     # -- handing over --------------------------------------------------------------------
 

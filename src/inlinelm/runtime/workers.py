@@ -9,7 +9,7 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from inlinelm.errors import EngineClosedError
 
@@ -52,3 +52,16 @@ class Workers:
                 )
                 self._pools[name] = pool
             return pool
+
+
+def decode_all(tokenizer: Any, lists: list[list[int]]) -> list[str]:
+    """``[tokenizer.decode(ids) for ids in lists]``, with the GIL released while it runs
+    when the tokenizer is a fast one (the Rust batch decode; transformers' own decode holds
+    the GIL for the whole call, which stalls the event loop however many threads there are)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        # NOTE: transformers' space cleanup (its rules vary by version) follows the Rust
+        # decode only through its own decode.
+        return [str(tokenizer.decode(ids)) for ids in lists]
+    texts: list[str] = backend.decode_batch(lists, skip_special_tokens=False)
+    return texts

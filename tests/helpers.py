@@ -22,9 +22,15 @@ WAIT_S = 20.0
 """Generous bound for anything that should happen soon (the machine may be loaded)."""
 
 
+def loaded_or_none(engine: Engine) -> LoadedEngine | None:
+    """The engine's parts (tokenizer, admission, core, grammars) while it runs, else None
+    (not started yet, or closed)."""
+    return engine._handle.loaded
+
+
 def loaded_of(engine: Engine) -> LoadedEngine:
     """The started engine's parts (tokenizer, admission, core, grammars)."""
-    loaded = engine._loaded
+    loaded = loaded_or_none(engine)
     assert loaded is not None, "the engine is not started"
     return loaded
 

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from inlinelm import Engine, RequestStream
 from inlinelm.sched.output import SchedulerOutput
+from tests.helpers import bridges_of, core_of
 
 T = TypeVar("T")
 
@@ -82,7 +83,7 @@ def engine_ids(stream: RequestStream) -> list[str]:
 
 def num_live_states(engine: Engine) -> tuple[int, int]:
     """(request states, parent requests) still registered in every loop's output processor."""
-    bridges = engine._dispatcher.bridges()
+    bridges = bridges_of(engine)
     return (
         sum(len(b.processor.states) for b in bridges),
         sum(len(b.processor.parents) for b in bridges),
@@ -96,8 +97,7 @@ def is_drained(engine: Engine) -> bool:
     blocked in the runner they still show the idle engine before it): the engine thread's
     input queue and scheduler must be empty too, i.e. every abort has really been applied.
     """
-    assert engine._loaded is not None
-    core = engine._loaded.core
+    core = core_of(engine)
     stats = core.stats
     return (
         num_live_states(engine) == (0, 0)
@@ -120,8 +120,7 @@ async def assert_drained(engine: Engine, timeout: float = WAIT_S) -> None:
 
 def runner_of(engine: Engine) -> Any:
     """The engine thread's runner (the echo runner or the model runner)."""
-    assert engine._loaded is not None
-    return engine._loaded.core.runner
+    return core_of(engine).runner
 
 
 class RunnerGate:

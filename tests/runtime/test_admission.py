@@ -19,6 +19,7 @@ from inlinelm import (
     SamplingParams,
 )
 from inlinelm.sched.request import Request
+from tests.helpers import core_of, loaded_of
 from tests.runtime.helpers import (
     WAIT_S,
     RunnerGate,
@@ -35,7 +36,7 @@ class AddSpy:
     """Records the requests handed to the engine thread."""
 
     def __init__(self, engine: Engine) -> None:
-        core = engine._loaded.core  # type: ignore[union-attr]
+        core = core_of(engine)
         self._add = core.add_request
         self.requests: list[Request] = []
         core.add_request = self  # type: ignore[method-assign]
@@ -49,10 +50,10 @@ class TokenizeSpy:
     """Counts prompt tokenizations (admission by count must refuse before tokenizing)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.admission = engine._loaded.admission  # type: ignore[union-attr]
+        self.admission = loaded_of(engine).admission
         self._tokenize = self.admission.tokenize
         self.calls = 0
-        engine._loaded.admission = self  # type: ignore[union-attr]
+        loaded_of(engine).admission = self
 
     def tokenize(self, *args: Any, **kwargs: Any) -> list[int]:
         self.calls += 1

@@ -11,6 +11,7 @@ from typing import Any
 from inlinelm import EngineClosedError, RequestStream, SamplingParams, SlowConsumerError
 from inlinelm.sched.output import EngineCoreOutput, EngineCoreOutputs
 from inlinelm.sched.request import Request
+from tests.helpers import bridges_of, core_of, dispatcher_of
 from tests.runtime.helpers import (
     WAIT_S,
     RunnerGate,
@@ -76,7 +77,7 @@ def test_cancelling_a_random_half_mid_stream_leaves_nothing_behind() -> None:
                     assert 0 < len(result) < ENDLESS
             await assert_drained(engine)
             assert engine.stats()["num_steps"] < ENDLESS  # counted, not timed: no abort missed
-            assert engine._loaded.core.scheduler.get_request(streams[0].request_id) is None  # type: ignore[union-attr]
+            assert core_of(engine).scheduler.get_request(streams[0].request_id) is None
 
     run(main())
 
@@ -158,12 +159,12 @@ async def _await(stream: RequestStream) -> Any:
 def test_a_request_is_registered_before_its_add_leaves_for_the_engine() -> None:
     async def main() -> None:
         async with echo_engine() as engine:
-            core = engine._loaded.core  # type: ignore[union-attr]
+            core = core_of(engine)
             real_add = core.add_request
             seen: list[str] = []
 
             def check_registered(request: Request) -> None:
-                bridges = engine._dispatcher.bridges()
+                bridges = bridges_of(engine)
                 states = [b.processor.states.get(request.request_id) for b in bridges]
                 state = next(s for s in states if s is not None)
                 assert any(
@@ -191,9 +192,9 @@ def test_outputs_for_unknown_ids_are_dropped() -> None:
             bogus = EngineCoreOutputs(
                 outputs=[EngineCoreOutput("nobody", [5, 6]), EngineCoreOutput("gone#1", [7])]
             )
-            await asyncio.to_thread(engine._dispatcher.post, bogus)
+            await asyncio.to_thread(dispatcher_of(engine).post, bogus)
             await wait_until(
-                lambda: all(not b._batches for b in engine._dispatcher.bridges()),
+                lambda: all(not b._batches for b in bridges_of(engine)),
                 what="the bogus batch to be handled",
             )
             assert num_live_states(engine) == (0, 0)
@@ -235,7 +236,7 @@ def test_aclose_from_another_task_ends_the_reader() -> None:
 def test_aclose_is_idempotent_and_a_finished_stream_sends_no_abort() -> None:
     async def main() -> None:
         async with echo_engine() as engine:
-            core = engine._loaded.core  # type: ignore[union-attr]
+            core = core_of(engine)
             aborted: list[list[str]] = []
             real_abort = core.abort
             core.abort = lambda ids: (aborted.append(list(ids)), real_abort(ids))  # type: ignore[method-assign]

@@ -12,6 +12,7 @@ import pytest
 
 from inlinelm import Engine, OutputKind, RequestOutput, RequestStream, SamplingParams
 from inlinelm.sched.request import Request
+from tests.helpers import core_of
 from tests.runtime.helpers import (
     EOS,
     assert_drained,
@@ -151,7 +152,7 @@ def test_n_choices_each_get_the_whole_echo_with_their_index() -> None:
     async def main() -> None:
         async with echo_engine(echo_step_s=0.001) as engine:
             added: list[Request] = []
-            core = engine._loaded.core  # type: ignore[union-attr]
+            core = core_of(engine)
             real_add = core.add_request
 
             def spy(request: Request) -> None:
@@ -227,7 +228,7 @@ def test_stream_interval_sends_the_first_token_at_once_and_flushes_at_the_end() 
 def test_a_stop_string_ends_the_request_and_aborts_it_on_the_engine(include: bool) -> None:
     async def main() -> None:
         async with echo_engine(echo_step_s=0.001) as engine:
-            core = engine._loaded.core  # type: ignore[union-attr]
+            core = core_of(engine)
             aborted: list[str] = []
             real_abort = core.abort
 

@@ -13,6 +13,7 @@ import pytest
 from inlinelm import EngineDeadError, RequestOutput, RequestStream, SlowConsumerError
 from inlinelm.errors import EngineError
 from inlinelm.runtime.collector import RequestOutputCollector
+from tests.helpers import bridges_of, core_of, loaded_or_none
 from tests.runtime.helpers import (
     WAIT_S,
     RunnerFailure,
@@ -80,7 +81,8 @@ def test_engine_death_reaches_all_200_waiting_streams_at_once() -> None:
             await asyncio.wait_for(asyncio.to_thread(engine.generate, ["x"], use_tqdm=False), 10)
         assert isinstance(engine.stats(), dict)
         await asyncio.wait_for(engine.aclose(), WAIT_S)
-        assert not engine._loaded or not engine._loaded.core.is_alive
+        loaded = loaded_or_none(engine)
+        assert loaded is None or not loaded.core.is_alive
 
     run(main())
 
@@ -234,7 +236,7 @@ def test_a_slow_consumer_does_not_delay_the_others_and_its_merges_are_counted() 
                 ),
                 WAIT_S,
             )
-            await wait_until(lambda: engine._loaded.core.stats.num_running == 0)  # type: ignore[union-attr]
+            await wait_until(lambda: core_of(engine).stats.num_running == 0)
             assert len(slow_outs) == 1
             assert not slow_task.done()
 
@@ -285,9 +287,7 @@ def test_a_reader_past_the_backlog_limit_gets_slow_consumer_error_and_others_fin
                     count += 1
                     if count == 1:
                         collector.append(
-                            engine._dispatcher.bridges()[0]
-                            .processor.parents[slow.request_id]
-                            .collector
+                            bridges_of(engine)[0].processor.parents[slow.request_id].collector
                         )
                         await release.wait()
                 return count
@@ -298,9 +298,7 @@ def test_a_reader_past_the_backlog_limit_gets_slow_consumer_error_and_others_fin
             for i, out in enumerate(outs):
                 assert out.text == echo_text(engine, f"others go on {i}")
             # The slow request is failed and aborted on the engine while its reader sleeps.
-            await wait_until(
-                lambda: slow.request_id not in engine._dispatcher.bridges()[0].processor.parents
-            )
+            await wait_until(lambda: slow.request_id not in bridges_of(engine)[0].processor.parents)
             await assert_drained(engine)
             release.set()
             with pytest.raises(SlowConsumerError):

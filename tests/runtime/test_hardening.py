@@ -29,6 +29,7 @@ from inlinelm import (
 )
 from inlinelm.sampling_params import MAX_SEED, MIN_SEED
 from inlinelm.sched.request import Request
+from tests.helpers import bridges_of, core_of
 from tests.runtime.helpers import (
     WAIT_S,
     RunnerGate,
@@ -184,7 +185,7 @@ def test_an_id_reused_right_after_its_abort_gets_its_own_full_answer() -> None:
 def test_a_request_whose_add_fails_on_the_engine_thread_fails_alone() -> None:
     async def main() -> None:
         async with echo_engine() as engine:
-            scheduler = engine._loaded.core.scheduler  # type: ignore[union-attr]
+            scheduler = core_of(engine).scheduler
             real_add = scheduler.add_request
 
             def add(request: Request) -> None:
@@ -246,7 +247,7 @@ def test_one_requests_fault_in_the_output_handler_fails_only_that_request() -> N
         async with echo_engine(echo_step_s=0.001) as engine:
             victim = engine.stream("this one breaks", **ENDLESS)
             others = [engine.stream(f"bystander {i}", max_tokens=None) for i in range(5)]
-            bridge = engine._dispatcher.bridges()[0]
+            bridge = bridges_of(engine)[0]
             state = bridge.processor.states[engine_ids(victim)[0]]
 
             def broken(*args: Any, **kwargs: Any) -> None:
@@ -272,7 +273,7 @@ def test_a_fault_of_the_output_handler_itself_ends_every_stream_and_marks_the_en
         engine = echo_engine(echo_step_s=0.001)
         await engine.start()
         streams = [engine.stream(f"stream {i}", **ENDLESS) for i in range(20)]
-        bridge = engine._dispatcher.bridges()[0]
+        bridge = bridges_of(engine)[0]
         real = bridge.processor.process_outputs
         armed = threading.Event()
 
@@ -303,7 +304,7 @@ def test_a_fault_of_the_output_handler_itself_ends_every_stream_and_marks_the_en
         with pytest.raises(EngineDeadError):
             engine.stream("refused")
         # The engine thread was stopped: it freed every block on its way out.
-        core = engine._loaded.core  # type: ignore[union-attr]
+        core = core_of(engine)
         assert await asyncio.to_thread(core.join, WAIT_S)
         assert core.stats.num_free_blocks == core.stats.num_kv_blocks
         await asyncio.wait_for(engine.aclose(), WAIT_S)
@@ -363,7 +364,7 @@ def test_sampling_params_are_immutable_and_own_their_lists() -> None:
 def test_nothing_the_caller_still_holds_reaches_the_engine_thread() -> None:
     async def main() -> None:
         async with echo_engine() as engine:
-            core = engine._loaded.core  # type: ignore[union-attr]
+            core = core_of(engine)
             added: list[Request] = []
             real_add = core.add_request
             core.add_request = lambda r: (added.append(r), real_add(r))  # type: ignore[method-assign]
@@ -456,7 +457,7 @@ def test_extreme_seeds_and_stop_ids_with_the_model_runner(tiny_model_dir: Path) 
 
     async def main() -> None:
         async with Engine(model=str(tiny_model_dir), runner="model") as engine:
-            vocab = engine._loaded.core.runner.model_config.vocab_size  # type: ignore[union-attr]
+            vocab = core_of(engine).runner.model_config.vocab_size
             out = await engine.stream("hi", seed=MAX_SEED - 1, n=2, max_tokens=3)
             assert [len(c.token_ids) for c in out.outputs] == [3, 3]
             out = await engine.stream("hi", seed=MIN_SEED, max_tokens=3)

@@ -15,6 +15,7 @@ import pytest
 
 from inlinelm import Engine, EngineClosedError, RequestStream
 from inlinelm.errors import EngineError
+from tests.helpers import core_of
 from tests.runtime.helpers import (
     WAIT_S,
     RunnerGate,
@@ -56,7 +57,7 @@ def test_start_is_idempotent_and_reports_ready_only_when_warm() -> None:
         assert engine.health() == (True, "ok")
         assert engine.num_free_kv_blocks == engine.num_kv_blocks > 0
         assert engine.max_model_len > 0
-        core = engine._loaded.core  # type: ignore[union-attr]
+        core = core_of(engine)
         assert core.is_alive
         await engine.aclose()
         assert not core.is_alive, "aclose() did not join the engine thread"
@@ -123,7 +124,7 @@ def test_streams_open_at_close_get_engine_closed_error() -> None:
         ]
         tasks = [asyncio.create_task(consume(i, s)) for i, s in enumerate(streams)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), WAIT_S)
-        core = engine._loaded.core  # type: ignore[union-attr]
+        core = core_of(engine)
         await asyncio.wait_for(engine.aclose(), WAIT_S)
         errors = await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
         assert all(isinstance(e, EngineClosedError) for e in errors), errors
@@ -140,7 +141,7 @@ def test_close_from_sync_code_after_the_loop_ended() -> None:
         await engine.stream("then the loop ends")
 
     run(use())
-    core = engine._loaded.core  # type: ignore[union-attr]
+    core = core_of(engine)
     engine.close()
     assert not core.is_alive
 
@@ -149,7 +150,7 @@ def test_close_returns_when_it_arrives_in_the_step_that_aborts_the_last_request(
     async def main() -> None:
         engine = echo_engine()
         await engine.start()
-        core = engine._loaded.core  # type: ignore[union-attr]
+        core = core_of(engine)
         closer = threading.Thread(target=engine.close, name="test-closer", daemon=True)
         try:
             with RunnerGate(engine) as gate:
@@ -190,7 +191,7 @@ def test_an_engine_dropped_without_close_is_collected_and_its_thread_stops() -> 
         await engine.start()
         await engine.stream("a stream creates this loop's bridge")
         ref = weakref.ref(engine)
-        core = engine._loaded.core  # type: ignore[union-attr]
+        core = core_of(engine)
         del engine
         gc.collect()
         try:

@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from inlinelm.sched.runner import ModelRunnerOutput
+from tests.helpers import bridges_of
 from tests.runtime.helpers import (
     WAIT_S,
     assert_drained,
@@ -178,7 +179,7 @@ class LoopLag:
             async for _ in stream:
                 reads += 1
                 if reads == 1:
-                    bridge = engine._dispatcher.bridges()[0]
+                    bridge = bridges_of(engine)[0]
                     self._count(bridge)
                     target[0] = self.num_steps + 1
                     runner.collect = counting

@@ -11,6 +11,7 @@ from collections import defaultdict
 from typing import Any
 
 from inlinelm.runtime.bridge import SLICE_SIZE
+from tests.helpers import bridges_of
 from tests.runtime.helpers import (
     WAIT_S,
     RunnerGate,
@@ -50,7 +51,7 @@ def test_a_big_step_is_processed_in_slices_of_at_most_128_with_yields_between() 
     async def main() -> None:
         async with echo_engine(max_num_seqs=512, max_num_batched_tokens=16384) as engine:
             await engine.stream("creates this loop's bridge")
-            bridge = engine._dispatcher.bridges()[0]
+            bridge = bridges_of(engine)[0]
             recorder = SliceRecorder(bridge)
             ticking = asyncio.create_task(recorder.tick())
             # One-token prompts, all admitted in the step after the blocked one: that step
@@ -98,7 +99,7 @@ def test_the_128_budget_counts_across_the_batches_a_lagging_loop_finds() -> None
     async def main() -> None:
         async with echo_engine(max_num_seqs=256) as engine:
             await engine.stream("creates this loop's bridge")
-            bridge = engine._dispatcher.bridges()[0]
+            bridge = bridges_of(engine)[0]
             recorder = SliceRecorder(bridge)
             queued = threading.Event()
             real_post = bridge.post

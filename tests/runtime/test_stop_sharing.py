@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from inlinelm.detok import StopStrings
+from tests.helpers import bridges_of
 from tests.runtime.helpers import assert_drained, echo_engine, echo_text, run
 
 LONG = 20_000
@@ -43,7 +44,7 @@ def test_a_20000_char_stop_with_n_8_builds_one_small_table_and_streams_exactly(
             finally:
                 tracemalloc.stop()
             assert len(builds) == 1  # once per request, not per choice
-            states = [s for b in engine._dispatcher.bridges() for s in b.processor.states.values()]
+            states = [s for b in bridges_of(engine) for s in b.processor.states.values()]
             assert len(states) == 8
             assert all(s.detokenizer.stop_strings is builds[0] for s in states)
             assert peak < TABLE_BYTES_PER_CHAR * LONG + STATE_BYTES

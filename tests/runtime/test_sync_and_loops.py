@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 from inlinelm import Engine, RequestOutput, SamplingParams
+from tests.helpers import bridges_of
 from tests.runtime.helpers import (
     WAIT_S,
     assert_drained,
@@ -107,7 +108,7 @@ def test_two_asyncio_runs_share_one_engine_started_in_the_first() -> None:
     async def second() -> None:
         outs = await asyncio.gather(*(engine.stream(p, max_tokens=None) for p in PROMPTS))
         check_outputs(engine, PROMPTS, list(outs))
-        bridges = engine._dispatcher.bridges()
+        bridges = bridges_of(engine)
         assert [b.loop for b in bridges] == [asyncio.get_running_loop()]
         await assert_drained(engine)
 
@@ -131,7 +132,7 @@ def test_one_engine_serves_two_loops_at_once_each_getting_its_own_outputs() -> N
         prompts = [f"loop {name} prompt {i}" for i in range(50)]
         streams = [engine.stream(p, max_tokens=None) for p in prompts]
         await asyncio.to_thread(barrier.wait)  # both loops have requests in flight now
-        seen_bridges.append(len(engine._dispatcher.bridges()))
+        seen_bridges.append(len(bridges_of(engine)))
         outs = list(await asyncio.gather(*streams))
         check_outputs(engine, prompts, outs)
         assert all(s.request_id == o.request_id for s, o in zip(streams, outs, strict=True))
@@ -155,7 +156,7 @@ def test_one_engine_serves_two_loops_at_once_each_getting_its_own_outputs() -> N
             assert not isinstance(outcome[name], BaseException), outcome[name]
         assert seen_bridges == [2, 2]
         # Both loops are closed: their bridges are gone, and nothing is left.
-        assert engine._dispatcher.bridges() == []
+        assert bridges_of(engine) == []
         assert engine.num_free_kv_blocks == engine.num_kv_blocks
     finally:
         engine.close()

@@ -17,6 +17,7 @@ import pytest
 from inlinelm import Engine, SamplingParams
 from inlinelm.errors import RequestError
 from inlinelm.structured import StructuredOutput
+from tests.helpers import loaded_of
 from tests.runtime.helpers import WAIT_S, assert_drained, run, wait_until
 from tests.structured.grammars import FAILS_LATER, gbnf_chain
 
@@ -269,7 +270,7 @@ def test_compiles_whose_clients_left_are_stopped_and_plain_requests_never_wait()
             tasks = [
                 asyncio.ensure_future(engine.stream("x", max_tokens=4, structured=s)) for s in slow
             ]
-            compiler = engine._require_loaded().grammars
+            compiler = loaded_of(engine).grammars
             await wait_until(lambda: compiler.stats.misses == 4, what="four compiles started")
             plain = await asyncio.wait_for(engine.stream("plain", max_tokens=4), WAIT_S)
             assert plain.outputs[0].text

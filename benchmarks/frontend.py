@@ -238,8 +238,12 @@ class Setup:
     run_index: int = 0
 
 
-def _never_submit() -> Any:
-    raise AssertionError("the benchmark registers its requests itself")
+class _NeverSubmitted:
+    """A stream's pending submission that is never used: the benchmark registers its
+    requests itself."""
+
+    async def submit(self) -> Any:
+        raise AssertionError("the benchmark registers its requests itself")
 
 
 async def run_once(
@@ -263,14 +267,16 @@ async def run_once(
     for i in range(batch):
         rid = f"bench{setup.run_index}-{i}"
         prompt = setup.prompts[i % len(setup.prompts)]
-        parent, children = engine._make_states(loaded, rid, prompt, params, time.perf_counter())
+        parent, children = engine._submitter._make_states(
+            loaded, rid, prompt, params, time.perf_counter()
+        )
         bridge.processor.add(parent, children)
         if timers is not None:
             for child in children:
                 d = child.detokenizer
                 d.update = _timed(timers, "update", d.update)
                 d.next_output_text = _timed(timers, "release", d.next_output_text)
-        stream = RequestStream(rid, _never_submit, delta=True)
+        stream = RequestStream(rid, _NeverSubmitted(), delta=True)
         stream._attach(Submission(parent, bridge))
         rids.append(parent.child_ids[0])
         streams.append(stream)
@@ -440,9 +446,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     engine = Engine(model=args.model, runner="echo")
     await engine.start()
     try:
-        loaded = engine._loaded
+        loaded = engine._handle.loaded
+        assert loaded is not None
         loop = asyncio.get_running_loop()
-        bridge = engine._loop_bridge(loop)
+        bridge = engine._submitter._loop_bridge(loop)
         tokenizer = engine.tokenizer
         prompts = [
             tokenizer.encode(engine.render_chat(chat_messages(i)), add_special_tokens=False)

@@ -283,8 +283,8 @@ async def inlinelm_rows(
     rows: list[dict[str, Any]] = []
     idle: dict[str, Any] = {}
     async with Engine(config) as engine:
-        assert engine._loaded is not None  # started by the context manager
-        core = engine._loaded.core
+        assert engine._handle.core is not None  # started by the context manager
+        core = engine._handle.core
         idle["engine_loop"] = "pipelined" if core.config.async_scheduling else "plain"
         timeline = StepTimeline(core.runner, args.device)
         timeline.install()

@@ -95,7 +95,7 @@ def child(args: argparse.Namespace) -> None:
         engine.generate(prompts, max_tokens=4, temperature=0.0, use_tqdm=False)
         # NOTE: the benchmark swaps the runner's thread count between blocks, while the
         # engine thread waits for requests; the default's own instance keeps its readings.
-        core = engine._require_loaded().core
+        core = engine._submitter.require_loaded().core
         runner = core.runner
         counts = {"all": cores, "all-passive": cores, "1": 1, "default": None}
         threads = {config: CpuThreads(counts[config]) for config in configs}

@@ -196,7 +196,9 @@ class Submitter:
         admit_tokens(self.config, self._handle, len(prompt_ids))
         loop = asyncio.get_running_loop()
         bridge = self._loop_bridge(loop)
-        parent, children = self._make_states(loaded, pending, prompt_ids, params)
+        parent, children = self._make_states(
+            loaded, pending.request_id, prompt_ids, params, pending.arrival
+        )
         # NOTE: a duplicate id in flight raises before anything is queued.
         self._handle.claim(parent)
         self._handle.enqueue(parent)
@@ -226,16 +228,17 @@ class Submitter:
     def _make_states(
         self,
         loaded: LoadedEngine,
-        pending: LazySubmission,
+        request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
+        arrival: float,
     ) -> tuple[ParentRequest, list[RequestState]]:
         return make_states(
-            pending.request_id,
+            request_id,
             self._handle.next_submission(),
             prompt_ids,
             params,
-            pending.arrival,
+            arrival,
             functools.partial(loaded.make_detokenizer, prompt_ids, params),
             max_backlog_bytes=self.config.max_stream_backlog_bytes,
             stream_interval=params.stream_interval or self.config.stream_interval,

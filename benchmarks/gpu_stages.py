@@ -52,22 +52,23 @@ OPTIONAL_PACKAGES = (
 
 
 _G = "tests/gpu/"
+_A, _M, _S = _G + "attention/", _G + "model/", _G + "sampling/"  # tests/gpu's rooms
 CPU_TWINS: dict[str, tuple[str, ...]] = {
     # gpu test -> the CPU tests that run the same path with a CPU device or a stand-in
-    _G + "test_attention_backends.py::test_page_table_attention_equals_torch_backend_on_cuda": (
-        _G + "test_page_table.py::test_page_table_attention_equals_torch_backend",
+    _A + "test_attention_backends.py::test_page_table_attention_equals_torch_backend_on_cuda": (
+        _A + "test_page_table.py::test_page_table_attention_equals_torch_backend",
     ),
-    _G + "test_attention_backends.py::test_flashinfer_equals_torch_backend_on_cuda": (
-        _G + "test_attention_backends.py::test_flashinfer_glue_plans_once_and_matches_torch",
+    _A + "test_attention_backends.py::test_flashinfer_equals_torch_backend_on_cuda": (
+        _A + "test_attention_backends.py::test_flashinfer_glue_plans_once_and_matches_torch",
     ),
-    _G + "test_attention_backends.py::test_auto_picks_flashinfer_on_cuda_when_installed": (
-        _G + "test_attention_backends.py::test_auto_on_cuda_is_flashinfer_when_it_imports",
+    _A + "test_attention_backends.py::test_auto_picks_flashinfer_on_cuda_when_installed": (
+        _A + "test_attention_backends.py::test_auto_on_cuda_is_flashinfer_when_it_imports",
     ),
     _G + "test_cuda_graphs.py::test_graph_replay_equals_eager_at_every_size_on_cuda": (
         _G + "test_cuda_graphs.py::test_static_step_tokens_equal_the_dynamic_path_at_every_size",
     ),
-    _G + "test_kernels.py::test_flashinfer_kernels_equal_the_torch_ones_on_cuda": (
-        _G + "test_kernels.py::test_flashinfer_kernels_wiring_matches_torch_on_a_stand_in",
+    _M + "test_kernels.py::test_flashinfer_kernels_equal_the_torch_ones_on_cuda": (
+        _M + "test_kernels.py::test_flashinfer_kernels_wiring_matches_torch_on_a_stand_in",
     ),
     _G + "test_model_cuda.py::test_cuda_logits_equal_the_cpu_model": (
         _G + "test_model_cuda.py::test_a_cpu_runner_is_float32_with_torch_kernels_and_attention",
@@ -82,8 +83,8 @@ CPU_TWINS: dict[str, tuple[str, ...]] = {
         _G + "test_pipelined_runner.py::test_abort_in_flight",
         _G + "test_pipelined_runner.py::test_pipelined_static_decode_equals_plain",
     ),
-    _G + "test_sampler.py::test_seed_is_batch_invariant_on_cuda_at_full_size": (
-        _G + "test_sampler.py::test_seed_gives_the_same_tokens_whatever_the_batch_and_row",
+    _S + "test_sampler.py::test_seed_is_batch_invariant_on_cuda_at_full_size": (
+        _S + "test_sampler.py::test_seed_gives_the_same_tokens_whatever_the_batch_and_row",
     ),
     _G + "test_gpu_engine.py::test_greedy_is_the_same_in_every_mode_and_equals_transformers": (
         _G + "test_model_runner.py::test_greedy_equals_transformers",

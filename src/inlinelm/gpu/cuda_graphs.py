@@ -35,10 +35,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from inlinelm.gpu.attention.metadata import AttentionMetadata
+from inlinelm.gpu.attention.metadata import AttentionMetadata, IntArray
 from inlinelm.gpu.attention.page_table import PageTable, PageTableArrays, pack_page_table
 from inlinelm.gpu.attention.torch_backend import TorchAttention, _DecodeGroup, _Plan
-from inlinelm.gpu.input_batch import IntArray, StepInputs
+from inlinelm.gpu.input_batch import StepInputs
 from inlinelm.gpu.staging import HostStaging, StagedColumn
 
 TORCH_GRAPH_MAX_KEYS = 1 << 20

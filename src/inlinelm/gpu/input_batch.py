@@ -15,10 +15,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from inlinelm.gpu.attention.metadata import IntArray
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.request import Request
 
-IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
 

@@ -15,7 +15,7 @@ import numpy.typing as npt
 import torch
 
 from inlinelm.config import EngineConfig
-from inlinelm.gpu.attention.metadata import AttentionMetadata
+from inlinelm.gpu.attention.metadata import AttentionMetadata, IntArray
 from inlinelm.gpu.attention.select import make_attention_backend, select_attention_backend
 from inlinelm.gpu.cpu_threads import CpuThreads
 from inlinelm.gpu.cuda_graphs import (
@@ -25,7 +25,7 @@ from inlinelm.gpu.cuda_graphs import (
     FillPending,
     make_graph_attention,
 )
-from inlinelm.gpu.input_batch import InputBatch, IntArray, StepInputs
+from inlinelm.gpu.input_batch import InputBatch, StepInputs
 from inlinelm.gpu.kv_cache import (
     GpuMemoryUse,
     allocate_kv_cache,

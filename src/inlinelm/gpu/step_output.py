@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inlinelm.gpu.input_batch import IntArray
+from inlinelm.gpu.attention.metadata import IntArray
 from inlinelm.gpu.sampling.sampler import LogprobsTensors
 from inlinelm.sched.request import Request
 

@@ -36,9 +36,9 @@ class AttentionMetadata:
     max_seq_len: int
     # Derived once per step by the backend's prepare(), for its own use.
     plan: Any = None
-    host_query_start_loc: npt.NDArray[np.int64] | None = None
-    host_seq_lens: npt.NDArray[np.int64] | None = None
-    host_block_tables: npt.NDArray[np.int64] | None = None
+    host_query_start_loc: IntArray | None = None
+    host_seq_lens: IntArray | None = None
+    host_block_tables: IntArray | None = None
 
 
 class AttentionBackend(Protocol):

@@ -22,10 +22,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from inlinelm.gpu.attention.metadata import AttentionMetadata
+from inlinelm.gpu.attention.metadata import AttentionMetadata, IntArray
 from inlinelm.gpu.staging import copy_to_device
-
-IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
-from inlinelm.gpu.attention.metadata import AttentionMetadata
+from inlinelm.gpu.attention.metadata import AttentionMetadata, IntArray
 from inlinelm.gpu.kv_cache import write_kv
 
 DECODE_GROUP_SIZE = 8
@@ -237,6 +235,6 @@ def _decode_order(meta: AttentionMetadata) -> torch.Tensor:
     return torch.argsort(key, stable=True)
 
 
-def _host_list(host: npt.NDArray[np.int64] | None, device: torch.Tensor) -> list[int]:
+def _host_list(host: IntArray | None, device: torch.Tensor) -> list[int]:
     values: list[int] = host.tolist() if host is not None else device.tolist()
     return values

@@ -25,7 +25,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from inlinelm.gpu.input_batch import IntArray, SamplingColumns
+from inlinelm.gpu.attention.metadata import IntArray
+from inlinelm.gpu.input_batch import SamplingColumns
 from inlinelm.gpu.sampling.metadata import (
     PendingSampling,
     SamplingMetadata,

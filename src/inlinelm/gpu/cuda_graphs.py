@@ -16,13 +16,12 @@
   on a device, :class:`EagerCapture` on a CPU, where a "replay" runs the step again, so
   everything else here runs in the CPU tests.
 
-Attention inside a graph reads only static buffers. :class:`FlashInferGraphAttention` uses
-FlashInfer's CUDA-graph decode wrappers (one per size over shared indptr / indices /
-last-page-length buffers, planned on the host before each replay).
-:class:`TorchGraphAttention` gathers every row's whole static block table and masks keys past
-its length: static shapes, so it captures too, at a cost that grows with ``max_model_len``
-(it is the fallback). On a CPU the same static-buffer step runs eagerly (``capture=False``),
-so the padding and buffer plumbing are tested without a GPU.
+Attention inside a graph reads only static buffers, and each backend owns that part: its
+:meth:`~inlinelm.gpu.attention.metadata.AttentionBackend.make_graph_attention` makes the
+:class:`~inlinelm.gpu.attention.metadata.GraphAttention` this unit calls (mini-sglang's
+``init_capture_graph`` / ``prepare_for_capture`` / ``prepare_for_replay``), so nothing here
+names a backend. On a CPU the same static-buffer step runs eagerly (``capture=False``), so
+the padding and buffer plumbing are tested without a GPU.
 """
 
 from __future__ import annotations
@@ -35,21 +34,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from inlinelm.gpu.attention.metadata import AttentionMetadata, IntArray
-from inlinelm.gpu.attention.page_table import PageTable, PageTableArrays, pack_page_table
-from inlinelm.gpu.attention.torch_backend import TorchAttention, _DecodeGroup, _Plan
+from inlinelm.gpu.attention.metadata import GraphAttention, GraphPlan, IntArray
 from inlinelm.gpu.input_batch import StepInputs
 from inlinelm.gpu.staging import HostStaging, StagedColumn
 
-TORCH_GRAPH_MAX_KEYS = 1 << 20
-"""Keys one layer of :class:`TorchGraphAttention` gathers at the largest size (rows times
-``max_model_len``): it caps the torch backend's largest graph (its pool holds that gather)."""
-
 FillPending = Callable[[torch.Tensor], None]
 """Writes the tokens sampled by steps in flight into a step's ``input_ids`` (on the device)."""
-
-Plan = Callable[[], None]
-"""Loads a staged step into the graph attention's static buffers, once the staging is sent."""
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -132,189 +122,6 @@ def capture_stream(device: torch.device) -> Any:
     return stream
 
 
-class GraphAttention(Protocol):
-    """Attention of a graphed decode step: static metadata, planned outside the graph."""
-
-    def stage(
-        self, size: int, seq_lens: IntArray, block_tables: IntArray, staging: HostStaging
-    ) -> Plan:
-        """Stage a padded step (``size`` rows); the result loads it into the static buffers
-        once the staging is sent (never captured)."""
-        ...
-
-    def metadata(self, size: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
-        """The metadata layers read, built from static buffers (runs inside the capture)."""
-        ...
-
-    def close(self) -> None:
-        """Drop wrappers and buffers."""
-        ...
-
-
-class TorchGraphAttention:
-    """Static-shape decode for :class:`~inlinelm.gpu.attention.torch_backend.TorchAttention`."""
-
-    def __init__(
-        self, max_batch_size: int, max_blocks: int, block_size: int, device: torch.device
-    ) -> None:
-        self.block_size = block_size
-        self.block_tables = torch.zeros(
-            max_batch_size, max_blocks, dtype=torch.int64, device=device
-        )
-        self.seq_lens = torch.ones(max_batch_size, dtype=torch.int64, device=device)
-        self.rows = torch.arange(max_batch_size + 1, dtype=torch.int64, device=device)
-        self.key_positions = torch.arange(max_blocks * block_size, device=device)
-
-    def stage(
-        self, size: int, seq_lens: IntArray, block_tables: IntArray, staging: HostStaging
-    ) -> Plan:
-        """See :class:`GraphAttention`."""
-        width = block_tables.shape[1]
-        lens, tables = staging.add(seq_lens, np.int64), staging.add(block_tables, np.int64)
-
-        def plan() -> None:
-            # NOTE: columns past ``width`` keep older block ids: valid indices, masked out.
-            self.seq_lens[:size].copy_(lens.get(), non_blocking=True)
-            self.block_tables[:size, :width].copy_(tables.get(), non_blocking=True)
-
-        return plan
-
-    def metadata(self, size: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
-        """See :class:`GraphAttention`."""
-        seq_lens, tables = self.seq_lens[:size], self.block_tables[:size]
-        # NOTE: computed from the static lengths inside the graph, so each replay masks anew.
-        key_mask = (self.key_positions.view(1, -1) < seq_lens.view(-1, 1)).view(size, 1, 1, -1)
-        group = _DecodeGroup(self.rows[:size], tables, key_mask)
-        return AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=self.rows[: size + 1],
-            seq_lens=seq_lens,
-            block_tables=tables,
-            max_query_len=1,
-            max_seq_len=int(self.key_positions.numel()),
-            plan=_Plan(self.block_size, [group], [], whole=True),
-        )
-
-    def close(self) -> None:
-        """See :class:`GraphAttention`."""
-
-
-class FlashInferGraphAttention:
-    """FlashInfer's CUDA-graph decode wrappers, one per size, over shared static buffers."""
-
-    def __init__(
-        self, backend: Any, sizes: list[int], max_blocks: int, block_size: int, device: torch.device
-    ) -> None:
-        import flashinfer
-
-        from inlinelm.gpu.attention.flashinfer_backend import TENSOR_CORE_DECODE_MIN_GROUP
-
-        max_bs = max(sizes)
-        self.backend = backend
-        self.block_size = block_size
-        self.indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
-        self.indices = torch.zeros(max_bs * max_blocks, dtype=torch.int32, device=device)
-        self.last_page_len = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self.qo_indptr = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
-        # int64 views of the step for AttentionMetadata (FlashInfer reads only the plan).
-        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int64, device=device)
-        self.no_block_tables = torch.zeros(max_bs, 0, dtype=torch.int64, device=device)
-        tensor_cores = backend.num_heads // backend.num_kv_heads >= TENSOR_CORE_DECODE_MIN_GROUP
-        # NOTE: the float workspace is the eager backend's: steps run one at a time, in order.
-        self.wrappers: dict[int, Any] = {
-            size: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                backend._workspace,
-                "NHD",
-                use_cuda_graph=True,
-                use_tensor_cores=tensor_cores,
-                backend="fa2",
-                paged_kv_indptr_buffer=self.indptr[: size + 1],
-                paged_kv_indices_buffer=self.indices,
-                paged_kv_last_page_len_buffer=self.last_page_len[:size],
-            )
-            for size in sizes
-        }
-        self._planned: torch.cuda.Event | None = None
-
-    def stage(
-        self, size: int, seq_lens: IntArray, block_tables: IntArray, staging: HostStaging
-    ) -> Plan:
-        """See :class:`GraphAttention`."""
-        query_start_loc = np.arange(size + 1, dtype=np.int64)
-        lens = staging.add(seq_lens, np.int64)
-        packed = staging.add(
-            pack_page_table(query_start_loc, seq_lens, block_tables, self.block_size), np.int32
-        )
-        return functools.partial(self._plan, size, lens, packed)
-
-    def _plan(self, size: int, lens: StagedColumn, packed: StagedColumn) -> None:
-        # NOTE: plan() stages through a pinned host buffer with an async copy: with a step
-        # in flight, the copy of the previous plan must land before that buffer is rewritten.
-        if self._planned is not None:
-            self._planned.synchronize()
-        self.seq_lens[:size].copy_(lens.get(), non_blocking=True)
-        host = PageTableArrays.unpack(packed.host(), size)
-        # NOTE: the page ids are read on the device (already there: a device-to-device copy
-        # into the static buffer); indptr and last-page lengths FlashInfer copies from our
-        # pinned host views without blocking.
-        on_device = PageTableArrays.unpack(packed.get(), size)
-        b = self.backend
-        self.wrappers[size].plan(
-            host.kv_indptr,
-            on_device.kv_indices,
-            host.kv_last_page_len,
-            *b.plan_shape(self.block_size),
-            **b.plan_options(),
-        )
-        self._planned = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch stub
-        self._planned.record()
-
-    def metadata(self, size: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
-        """See :class:`GraphAttention`."""
-        from inlinelm.gpu.attention.flashinfer_backend import _FlashInferPlan
-
-        arrays = PageTableArrays(
-            qo_indptr=self.qo_indptr[: size + 1],
-            kv_indptr=self.indptr[: size + 1],
-            kv_last_page_len=self.last_page_len[:size],
-            kv_indices=self.indices,
-        )
-        table = PageTable(self.block_size, size, True, host=arrays, device=arrays)
-        return AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_tables=self.no_block_tables[:size],
-            max_query_len=1,
-            max_seq_len=0,
-            plan=_FlashInferPlan(table, self.wrappers[size]),
-        )
-
-    def close(self) -> None:
-        """See :class:`GraphAttention`."""
-        self.wrappers.clear()
-
-
-def make_graph_attention(
-    backend: object,
-    max_batch_size: int,
-    max_model_len: int,
-    block_size: int,
-    device: torch.device,
-) -> tuple[GraphAttention, list[int]] | None:
-    """The graph attention for the runner's ``backend`` and the sizes it captures, or None
-    when the backend has no static decode (then every step runs eagerly)."""
-    max_blocks = -(-max_model_len // block_size)
-    if isinstance(backend, TorchAttention):
-        largest = max(1, min(max_batch_size, TORCH_GRAPH_MAX_KEYS // (max_blocks * block_size)))
-        return TorchGraphAttention(largest, max_blocks, block_size, device), capture_sizes(largest)
-    if type(backend).__name__ == "FlashInferAttention":
-        sizes = capture_sizes(max_batch_size)
-        return FlashInferGraphAttention(backend, sizes, max_blocks, block_size, device), sizes
-    return None
-
-
 @dataclass(frozen=True, slots=True)
 class GraphStep:
     """A decode step staged for the static buffers: ``num_rows`` real rows of ``size``."""
@@ -324,7 +131,7 @@ class GraphStep:
     input_ids: StagedColumn
     positions: StagedColumn
     slot_mapping: StagedColumn
-    plan: Plan
+    plan: GraphPlan
 
 
 class DecodeGraphs:
@@ -362,6 +169,7 @@ class DecodeGraphs:
         self.logits = torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=device)
         self._graphs: dict[int, Replay] = {}
         self._closed = False
+        self.attention.init_capture_graph(self.sizes)
 
     # -- the predicate ---------------------------------------------------------------
 
@@ -433,7 +241,7 @@ class DecodeGraphs:
         staging: HostStaging,
     ) -> GraphStep:
         ids, positions, slots = (staging.add(a, np.int64) for a in rows)
-        plan = self.attention.stage(size, seq_lens, tables, staging)
+        plan = self.attention.prepare_for_replay(size, seq_lens, tables, staging)
         return GraphStep(n, size, ids, positions, slots, plan)
 
     def run(self, step: GraphStep, fill_pending: FillPending | None) -> torch.Tensor:
@@ -462,7 +270,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _forward(self, size: int) -> torch.Tensor:
-        meta = self.attention.metadata(size, self.slot_mapping[:size])
+        meta = self.attention.prepare_for_capture(size, self.slot_mapping[:size])
         return self.model(
             self.input_ids[:size],
             self.positions[:size],

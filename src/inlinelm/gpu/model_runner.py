@@ -23,7 +23,7 @@ from inlinelm.gpu.cuda_graphs import (
     DecodeGraphs,
     EagerCapture,
     FillPending,
-    make_graph_attention,
+    capture_sizes,
 )
 from inlinelm.gpu.input_batch import InputBatch, StepInputs
 from inlinelm.gpu.kv_cache import (
@@ -481,16 +481,15 @@ class ModelRunner:
         """
         self._graphs_built = True
         limit = self.config.max_cuda_graph_batch_size or self.config.max_num_seqs
-        made = make_graph_attention(
-            self.backend,
+        attention = self.backend.make_graph_attention(
             min(limit, self.config.max_num_seqs),
             self.max_model_len,
             self.config.block_size,
             self.device,
         )
-        if made is None:
+        if attention is None:
             return
-        attention, sizes = made
+        sizes = capture_sizes(attention.max_batch_size)
         self.graphs = DecodeGraphs(
             self.model,
             self.kv_caches,

@@ -243,6 +243,38 @@ def test_flashinfer_glue_plans_once_and_matches_torch(
     assert (chosen.plans, other.plans) == (1, 0)
 
 
+def test_the_torch_graph_attention_caps_its_largest_size_by_the_keys_it_gathers() -> None:
+    from inlinelm.gpu.attention.torch_backend import TORCH_GRAPH_MAX_KEYS, TorchGraphAttention
+
+    backend = TorchAttention(6, 2, 8)
+    short = backend.make_graph_attention(12, 128, 16, CPU)
+    assert isinstance(short, TorchGraphAttention) and short.max_batch_size == 12
+    long = backend.make_graph_attention(64, TORCH_GRAPH_MAX_KEYS // 4, 16, CPU)
+    assert long.max_batch_size == 4 and long.block_tables.shape == (4, TORCH_GRAPH_MAX_KEYS // 64)
+
+
+@pytest.mark.usefixtures("fake_flashinfer")
+def test_the_flashinfer_graph_attention_has_a_graph_wrapper_per_size_over_shared_buffers() -> None:
+    from inlinelm.gpu.attention.flashinfer_backend import FlashInferAttention, _FlashInferPlan
+
+    backend = FlashInferAttention(6, 2, 8, torch.float32, CPU)
+    attention = backend.make_graph_attention(12, 128, 16, CPU)
+    assert attention.max_batch_size == 12 and attention.indices.shape == (12 * 8,)
+    attention.init_capture_graph([1, 2, 4, 8, 12])
+    assert sorted(attention.wrappers) == [1, 2, 4, 8, 12]
+    for size, wrapper in attention.wrappers.items():
+        options = wrapper.options
+        assert options["use_cuda_graph"] is True and wrapper.workspace is backend._workspace
+        assert options["paged_kv_indices_buffer"] is attention.indices
+        assert options["paged_kv_indptr_buffer"].shape == (size + 1,)
+        assert options["paged_kv_last_page_len_buffer"].shape == (size,)
+    meta = attention.prepare_for_capture(4, torch.zeros(4, dtype=torch.int64))
+    assert isinstance(meta.plan, _FlashInferPlan) and meta.plan.wrapper is attention.wrappers[4]
+    assert meta.plan.table.is_decode and meta.max_query_len == 1
+    attention.close()
+    assert attention.wrappers == {}
+
+
 # -- on the device --------------------------------------------------------------------------
 
 # (cached prefix, new tokens) per request

@@ -3,17 +3,24 @@
 One forward carries the flattened tokens of many sequences (prefill chunks and decode
 tokens mixed). Each layer writes its new K/V into the paged cache at ``slot_mapping`` and
 attends over the sequence's whole context through its block table.
+
+Its graphed decode (:class:`TorchGraphAttention`) gathers every row's whole static block
+table and masks keys past its length: static shapes, so it captures too, at a cost that
+grows with ``max_model_len`` (it is the fallback). On a CPU the same static-buffer step
+runs eagerly, so the padding and buffer plumbing are tested without a GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inlinelm.gpu.attention.metadata import AttentionMetadata, IntArray
+from inlinelm.gpu.attention.metadata import AttentionMetadata, GraphPlan, IntArray
 from inlinelm.gpu.kv_cache import write_kv
+from inlinelm.gpu.staging import HostStaging
 
 DECODE_GROUP_SIZE = 8
 """Decode rows per SDPA call (rows are sorted by context length first)."""
@@ -22,6 +29,10 @@ SERIAL_DECODE_MAX_KEYS = 1024
 """A lone decode row with at most this many keys is attended on one intra-op thread: its
 gather and SDPA split badly (measured, 2 cores: 49 µs on one thread against 84 µs on two
 at 170 keys, and no gain from two up to 4000 keys; two rows or more gain from two)."""
+
+TORCH_GRAPH_MAX_KEYS = 1 << 20
+"""Keys one layer of :class:`TorchGraphAttention` gathers at the largest size (rows times
+``max_model_len``): it caps the torch backend's largest graph (its pool holds that gather)."""
 
 
 @dataclass(slots=True)
@@ -223,6 +234,69 @@ class TorchAttention:
             enable_gqa=True,
         )
         out[chunk.start : chunk.end] = result[0].transpose(0, 1)
+
+    def make_graph_attention(
+        self, max_batch_size: int, max_model_len: int, block_size: int, device: torch.device
+    ) -> TorchGraphAttention:
+        """See :class:`~inlinelm.gpu.attention.metadata.AttentionBackend`; the largest size
+        is capped so that one layer gathers at most :data:`TORCH_GRAPH_MAX_KEYS` keys."""
+        max_blocks = -(-max_model_len // block_size)
+        largest = max(1, min(max_batch_size, TORCH_GRAPH_MAX_KEYS // (max_blocks * block_size)))
+        return TorchGraphAttention(largest, max_blocks, block_size, device)
+
+
+class TorchGraphAttention:
+    """Static-shape decode for :class:`TorchAttention`: every row gathers its whole static
+    block table, keys past its length masked (see the module docstring)."""
+
+    def __init__(
+        self, max_batch_size: int, max_blocks: int, block_size: int, device: torch.device
+    ) -> None:
+        self.max_batch_size = max_batch_size
+        self.block_size = block_size
+        self.block_tables = torch.zeros(
+            max_batch_size, max_blocks, dtype=torch.int64, device=device
+        )
+        self.seq_lens = torch.ones(max_batch_size, dtype=torch.int64, device=device)
+        self.rows = torch.arange(max_batch_size + 1, dtype=torch.int64, device=device)
+        self.key_positions = torch.arange(max_blocks * block_size, device=device)
+
+    def init_capture_graph(self, sizes: list[int]) -> None:
+        """See :class:`~inlinelm.gpu.attention.metadata.GraphAttention`: every size shares
+        the buffers made with the object."""
+
+    def prepare_for_replay(
+        self, size: int, seq_lens: IntArray, block_tables: IntArray, staging: HostStaging
+    ) -> GraphPlan:
+        """See :class:`~inlinelm.gpu.attention.metadata.GraphAttention`."""
+        width = block_tables.shape[1]
+        lens, tables = staging.add(seq_lens, np.int64), staging.add(block_tables, np.int64)
+
+        def plan() -> None:
+            # NOTE: columns past ``width`` keep older block ids: valid indices, masked out.
+            self.seq_lens[:size].copy_(lens.get(), non_blocking=True)
+            self.block_tables[:size, :width].copy_(tables.get(), non_blocking=True)
+
+        return plan
+
+    def prepare_for_capture(self, size: int, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """See :class:`~inlinelm.gpu.attention.metadata.GraphAttention`."""
+        seq_lens, tables = self.seq_lens[:size], self.block_tables[:size]
+        # NOTE: computed from the static lengths inside the graph, so each replay masks anew.
+        key_mask = (self.key_positions.view(1, -1) < seq_lens.view(-1, 1)).view(size, 1, 1, -1)
+        group = _DecodeGroup(self.rows[:size], tables, key_mask)
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=self.rows[: size + 1],
+            seq_lens=seq_lens,
+            block_tables=tables,
+            max_query_len=1,
+            max_seq_len=int(self.key_positions.numel()),
+            plan=_Plan(self.block_size, [group], [], whole=True),
+        )
+
+    def close(self) -> None:
+        """See :class:`~inlinelm.gpu.attention.metadata.GraphAttention`."""
 
 
 def _decode_order(meta: AttentionMetadata) -> torch.Tensor:

@@ -74,8 +74,8 @@ def test_chat_maps_every_sampling_field() -> None:
     )
     assert (p.seed, p.stop, p.stop_token_ids, p.include_stop_str_in_output, p.ignore_eos) == (
         3,
-        ["x"],
-        [5],
+        ("x",),
+        (5,),
         True,
         True,
     )

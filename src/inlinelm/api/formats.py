@@ -1,7 +1,7 @@
 """How engine outputs become OpenAI choices: one format for chat, one for completions.
 
 A format turns one choice's news into a choice dict. The stream driver
-(:mod:`inlinelm.api.sse`) and the whole-response builder (:mod:`inlinelm.api.router`) use
+(:mod:`inlinelm.api.sse`) and the whole-response builder (:mod:`inlinelm.api.serving`) use
 the same formats, so streamed and non-streamed answers cannot drift apart.
 """
 

@@ -1,4 +1,9 @@
-"""Chat choices of a request that offers tools: the model's text read for tool calls.
+"""The tool policy of chats: what a chat that offers tools hands the chat template, and its
+choices, with the model's text read for tool calls.
+
+:class:`ToolPolicy` decides both: the messages and tools the template gets (natively when
+the template takes tools, written into the messages otherwise), and the parser that reads
+an answer (the forced call's own, the server's, or the one the template's family uses).
 
 A whole answer is parsed once. A stream sends content as usual until text that may be a
 call appears (the parser's :meth:`~inlinelm.tools.ToolParser.hold_from`); from there it
@@ -10,13 +15,55 @@ engine's own finish reason when it was no call after all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from inlinelm.api.formats import ChatFormat, ChoiceFormat
+from inlinelm.api.protocol import ChatRequest
 from inlinelm.api.responses import TokenTexts, chat_choice, chat_delta_choice, chat_logprobs
 from inlinelm.runtime.outputs import CompletionOutput, TokenLogprobs
 from inlinelm.tools.calls import ParsedOutput, ToolCall
-from inlinelm.tools.parsers import ToolParser
+from inlinelm.tools.forced import ForcedCallParser
+from inlinelm.tools.parsers import ToolParser, parser_for_template
+from inlinelm.tools.template import prepare_messages, template_supports_tools
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPolicy:
+    """How one served model's chats use tools. ``parser``: the server's parser for
+    ``tool_choice`` "auto" (None: the one the chat template's family uses); ``template``:
+    the model's chat template source, read only by a chat that offers tools or holds tool
+    turns."""
+
+    parser: ToolParser | None
+    template: Callable[[], str]
+
+    def inputs(
+        self, parsed: ChatRequest
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and tools for the chat template (see :mod:`inlinelm.tools.template`)."""
+        offered = parsed.tools.offered if parsed.tools is not None else []
+        has_tool_turns = any(m["role"] == "tool" or "tool_calls" in m for m in parsed.messages)
+        if not offered and not has_tool_turns:
+            return parsed.messages, None
+        native = template_supports_tools(self.template())
+        messages = prepare_messages(parsed.messages, offered, native=native)
+        tools = [t.to_openai() for t in offered] if native and offered else None
+        return messages, tools
+
+    def format(self, parsed: ChatRequest, texts: TokenTexts) -> ChoiceFormat:
+        """Plain chat choices, or choices read for tool calls when the chat offers tools."""
+        tools = parsed.tools
+        if tools is None or tools.choice == "none":
+            return ChatFormat(texts, parsed.logprobs)
+        parser: ToolParser
+        if tools.forced:
+            parser = ForcedCallParser(tools.tools, tools.named)
+        else:
+            parser = self.parser or parser_for_template(self.template())
+        names = frozenset(tool.name for tool in tools.offered)
+        return ToolChatFormat(texts, parsed.logprobs, parser, tools.parallel, names)
 
 
 @dataclass(slots=True)

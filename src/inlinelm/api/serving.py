@@ -1,0 +1,290 @@
+"""The generation endpoints, ``POST /v1/chat/completions`` and ``POST /v1/completions``
+(vLLM's serving_chat.py and serving_completion.py), bound to one engine.
+
+Everything that can be wrong with a request is found before the 200 is sent: the body is
+parsed and checked, and the engine validates, tokenizes and admits the request
+synchronously in ``Engine.stream``/``Engine.chat``. An answer is a stream of SSE chunks
+(``stream``) or one JSON body; a client that leaves either way aborts its requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from inlinelm.api.disconnect import finals_unless_disconnected
+from inlinelm.api.errors import APIError, bad_request, from_exception
+from inlinelm.api.formats import ChatFormat, ChoiceFormat, CompletionFormat
+from inlinelm.api.protocol import Limits, parse_chat, parse_completion, parse_json, read_body
+from inlinelm.api.request_log import log_streamed, log_whole
+from inlinelm.api.responses import ResponseHeader, TokenTexts, new_id, usage
+from inlinelm.api.sse import (
+    EventStreamResponse,
+    OutputStream,
+    StreamPlan,
+    StreamTally,
+    TextFrame,
+    event_stream,
+)
+from inlinelm.api.tool_format import ToolPolicy
+from inlinelm.errors import EngineError, QueueFullError, RequestError, RequestFailedError
+from inlinelm.sampling_params import SamplingParams
+from inlinelm.tools.parsers import ToolParser
+from inlinelm.tools.template import chat_template_text
+
+if TYPE_CHECKING:
+    from inlinelm.runtime.engine import Engine
+
+logger = logging.getLogger("inlinelm.api")
+
+
+class OpenAIServing:
+    """The chat and completion handlers behind :func:`~inlinelm.api.openai_router`.
+
+    ``model_name``: the id a request must name, if it names one. ``max_request_bytes``
+    bounds a body, ``max_fanout`` the engine requests one body becomes (prompts × ``n``);
+    idle streams get an SSE comment every ``sse_ping_s`` seconds; ``tool_parser`` reads
+    tool calls out of chats with ``tool_choice`` "auto" (None: the chat template's own).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str,
+        max_request_bytes: int,
+        sse_ping_s: float,
+        max_fanout: int,
+        tool_parser: ToolParser | None = None,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_request_bytes = max_request_bytes
+        self.sse_ping_s = sse_ping_s
+        self.max_fanout = max_fanout
+        self.tools = ToolPolicy(tool_parser, self.chat_template)
+        self._texts: TokenTexts | None = None
+        self._chat_template: str | None = None
+
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        arrival = time.perf_counter()  # NOTE: before the body is read: TTFT starts here.
+        try:
+            body = await read_body(request, self.max_request_bytes)
+            parsed = parse_chat(parse_json(body), self._limits())
+            self._check_model(parsed.model)
+            await ready(self.engine)
+            rid = new_id("chatcmpl")
+            messages, tools = self.tools.inputs(parsed)
+            stream = await self._start_chat(messages, tools, parsed.params, rid, arrival, len(body))
+        except Exception as exc:
+            return error_response(exc)
+        header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
+        fmt = self.tools.format(parsed, self.texts())
+        if parsed.stream:
+            return self._stream_response([stream], header, fmt, parsed.params.n, arrival)
+        return await self._whole_response(request, [stream], header, fmt, parsed.params.n, arrival)
+
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``; a list of prompts makes one engine request per prompt."""
+        arrival = time.perf_counter()  # NOTE: before the body is read: TTFT starts here.
+        try:
+            body = await read_body(request, self.max_request_bytes)
+            parsed = parse_completion(parse_json(body), self._limits())
+            self._check_model(parsed.model)
+            await ready(self.engine)
+            rid = new_id("cmpl")
+            streams = await self._start_all(parsed.prompts, parsed.params, rid, arrival, len(body))
+            n = parsed.params.n
+            prompt_texts = await self._prompt_texts(parsed.prompts, n) if parsed.echo else {}
+        except Exception as exc:
+            return error_response(exc)
+        header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
+        fmt = CompletionFormat(self.texts(), parsed.logprobs is not None, parsed.echo, prompt_texts)
+        if parsed.stream:
+            return self._stream_response(streams, header, fmt, n, arrival)
+        return await self._whole_response(request, streams, header, fmt, n, arrival)
+
+    def texts(self) -> TokenTexts:
+        """The token-text cache (made on first use: the tokenizer exists once started)."""
+        if self._texts is None:
+            self._texts = TokenTexts(self.engine.tokenizer)
+        return self._texts
+
+    def chat_template(self) -> str:
+        """The model's chat template source (read on first use, like :meth:`texts`)."""
+        if self._chat_template is None:
+            self._chat_template = chat_template_text(self.engine.tokenizer)
+        return self._chat_template
+
+    async def _start_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        params: SamplingParams,
+        rid: str,
+        arrival: float,
+        size: int,
+    ) -> OutputStream:
+        """Hand a chat to the engine; a prompt error names ``messages`` (what the client sent).
+        ``size``: the request body's bytes (a large request renders off the loop)."""
+        try:
+            stream = self.engine.chat(
+                messages,
+                params,
+                request_id=rid,
+                arrival_time=arrival,
+                tools=tools,
+                input_size=size,
+            )
+            await stream.submit()  # NOTE: a large chat is tokenized off the loop; errors raise here
+            return stream
+        except RequestError as exc:
+            if exc.param != "prompt" or isinstance(exc, QueueFullError):
+                raise
+            raise bad_request(exc.message, "messages") from exc
+
+    async def _start_all(
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        rid: str,
+        arrival: float,
+        size: int,
+    ) -> list[OutputStream]:
+        """Hand every prompt to the engine; if one is refused, abort those already started.
+
+        NOTE: each prompt is judged by the whole body's ``size``: many prompts just under
+        the inline limit are a large request, tokenized off the loop."""
+        streams: list[OutputStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                started = self.engine.stream(
+                    prompt, params, request_id=request_id, arrival_time=arrival, input_size=size
+                )
+                streams.append(started)
+                await started.submit()  # NOTE: a large prompt's errors raise here, before the 200
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        return streams
+
+    def _stream_response(
+        self,
+        streams: list[OutputStream],
+        header: ResponseHeader,
+        fmt: ChoiceFormat,
+        n: int,
+        arrival: float,
+    ) -> Response:
+        tally = StreamTally(arrival)
+        text_frame = None
+        if isinstance(fmt, ChatFormat) and not fmt.logprobs:
+            text_frame = TextFrame.for_chat(header, fmt.chunk_object)
+        plan = StreamPlan(
+            header,
+            fmt,
+            n,
+            self.engine.metrics,
+            tally,
+            lambda t: log_streamed(header.id, t),
+            text_frame,
+        )
+        return EventStreamResponse(
+            event_stream(streams, plan), ping_s=self.sse_ping_s, streams=streams
+        )
+
+    async def _whole_response(
+        self,
+        request: Request,
+        streams: list[OutputStream],
+        header: ResponseHeader,
+        fmt: ChoiceFormat,
+        n: int,
+        arrival: float,
+    ) -> Response:
+        """Wait for every stream's final output, unless the client leaves first (then abort)."""
+        try:
+            finals = await finals_unless_disconnected(request.receive, streams)
+        except Exception as exc:
+            return error_response(exc)
+        if finals is None:
+            logger.info("request %s: client disconnected, aborted", header.id)
+            return Response(status_code=499)
+        choices = [
+            fmt.whole(i * n + c.index, c) for i, final in enumerate(finals) for c in final.outputs
+        ]
+        prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
+        completion_tokens = sum(len(c.token_ids) for f in finals for c in f.outputs)
+        log_whole(header.id, finals, arrival)
+        body = header.response(
+            fmt.response_object, choices, usage(prompt_tokens, completion_tokens)
+        )
+        return JSONResponse(body)
+
+    def _limits(self) -> Limits:
+        config = self.engine.config
+        return Limits(
+            max_n=config.max_n, max_logprobs=config.max_logprobs, max_fanout=self.max_fanout
+        )
+
+    def _check_model(self, model: str | None) -> None:
+        # NOTE: a missing model is the served one (curl users omit it); a wrong one is an error.
+        if model is not None and model != self.model_name:
+            raise bad_request(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                code="model_not_found",
+            )
+
+    async def _prompt_texts(self, prompts: Sequence[str | list[int]], n: int) -> dict[int, str]:
+        """Choice index → its prompt as text (for ``echo``); token-id prompts are decoded
+        together, off the loop when they are many."""
+        ids = [p for p in prompts if not isinstance(p, str)]
+        decoded = iter(await self.engine.detokenize_all(ids) if ids else [])
+        texts: dict[int, str] = {}
+        for i, prompt in enumerate(prompts):
+            text = prompt if isinstance(prompt, str) else next(decoded)
+            texts.update({i * n + j: text for j in range(n)})
+        return texts
+
+
+async def ready(engine: Engine) -> None:
+    """Start ``engine`` if its owner has not (a 503 when it is closed or dead or stuck)."""
+    if not engine.is_ready:
+        await engine.start()
+    ok, reason = health_of(engine)
+    if not ok:
+        raise APIError(
+            503,
+            f"the engine cannot serve: {reason}",
+            type="server_error",
+            code="engine_unhealthy",
+        )
+
+
+def health_of(engine: Engine) -> tuple[bool, str]:
+    """``Engine.health`` with a death shown as its error's class only (``dead: RuntimeError``).
+
+    The engine's reason quotes the error's message, which may hold internals (paths,
+    device details); clients get the class, the server log has the rest.
+    """
+    return engine.health(detail=False)
+
+
+def error_response(exc: BaseException) -> Response:
+    """The OpenAI error answer for ``exc`` (a 499 with no body when the client left)."""
+    if isinstance(exc, ClientDisconnect):
+        # NOTE: no one reads this answer; a client that leaves mid-body is not a server error.
+        logger.info("client disconnected while its request body was read")
+        return Response(status_code=499)
+    error = from_exception(exc)
+    if error.status >= 500 and not isinstance(exc, (APIError, EngineError, RequestFailedError)):
+        logger.exception("request failed", exc_info=exc)
+    return error.response()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
-from inlinelm.api.protocol import MAX_JSON_DEPTH
+from inlinelm.api.body import MAX_JSON_DEPTH
 from inlinelm.tools import FunctionTool, forced_structure
 from tests.api.test_errors import JSON, USER, check_error
 from tests.structured.conftest import make_compiler

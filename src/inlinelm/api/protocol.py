@@ -13,27 +13,22 @@ them its defaults: the model's generation_config.json and the ``default_*`` engi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
-
 from inlinelm.api.constraints import read_constraint
-from inlinelm.api.errors import APIError, bad_request
+from inlinelm.api.errors import bad_request
 from inlinelm.api.fields import INT_MAX, Fields, check_text
-from inlinelm.api.tool_request import ToolRequest, read_tool_calls, read_tools
+from inlinelm.api.messages import read_messages
+from inlinelm.api.tool_request import ToolRequest, read_tools
 from inlinelm.errors import RequestError
+from inlinelm.runtime.prompt_source import Prompt
 from inlinelm.sampling_params import UNSET, OutputKind, SamplingParams
 from inlinelm.structured.spec import StructuredOutput
 from inlinelm.tools.forced import forced_structure
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_FANOUT = 256
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-# Prompt: one string, or token ids. A completions request may carry several.
-Prompt = str | list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,86 +71,10 @@ class CompletionRequest:
     user: str | None
 
 
-MAX_JSON_DEPTH = 128
-"""How deep a request body's arrays and objects may nest. Python code that walks them
-(JSON encoding, chat templates, schema copies) recurses, and near the interpreter's
-recursion limit (about 1,000) it fails with a RecursionError (a 500). llguidance refuses
-JSON schemas nested past 128 levels anyway."""
-
-
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """The request body parsed as JSON; 413 past ``max_bytes``, 400 when it is not JSON.
-
-    The body is read by :func:`read_body`. JSON that Python cannot hold is not JSON here
-    either: nesting past the recursion limit, and integers past the int-from-string digit
-    limit, are 400s too.
-    """
-    return parse_json(await read_body(request, max_bytes))
-
-
-def parse_json(body: bytes) -> Any:
-    """``body`` parsed as JSON (see :func:`read_json` for what is a 400)."""
-    try:
-        value = json.loads(body)
-    except RecursionError:
-        raise _too_deep() from None
-    except ValueError as exc:  # NOTE: JSONDecodeError, UnicodeDecodeError, int digit limit
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if nesting_depth(value) > MAX_JSON_DEPTH:
-        raise _too_deep()
-    return value
-
-
-def nesting_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
-    """How deep arrays and objects nest in ``value`` (a scalar is 0), level by level
-    without recursion; counting stops one level past ``limit``."""
-    depth = 0
-    level = [value] if isinstance(value, (dict, list)) else []
-    while level and depth <= limit:
-        depth += 1
-        children: list[Any] = []
-        for item in level:
-            children.extend(item.values() if isinstance(item, dict) else item)
-        level = [child for child in children if isinstance(child, (dict, list))]
-    return depth
-
-
-def _too_deep() -> APIError:
-    return bad_request(
-        f"request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", code="invalid_json"
-    )
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole request body; a 413 past ``max_bytes``.
-
-    The declared ``Content-Length`` is checked first, then the bytes as they arrive, so
-    an oversized body is refused without being buffered whole. A client that leaves while
-    its body is read raises starlette's ``ClientDisconnect``.
-    """
-    _check_declared_length(request.headers.get("content-length"), max_bytes)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise _too_large(max_bytes)
-    return bytes(body)
-
-
-def _check_declared_length(declared: str | None, max_bytes: int) -> None:
-    """A ``Content-Length`` that is not ASCII digits is a 400; one past ``max_bytes`` a 413."""
-    if declared is None:
-        return
-    if not (declared.isascii() and declared.isdigit()):
-        raise bad_request("Content-Length must be a non-negative integer", code="invalid_header")
-    if len(declared) > len(str(max_bytes)) or int(declared) > max_bytes:
-        raise _too_large(max_bytes)
-
-
 def parse_chat(data: Any, limits: Limits) -> ChatRequest:
     """Parse a chat completions body (see the module docstring for the error contract)."""
     fields = Fields(data)
-    messages = _read_messages(fields)
+    messages = read_messages(fields)
     logprobs = fields.read_bool("logprobs", False)
     top_logprobs = fields.read_int("top_logprobs", None)
     if top_logprobs is not None and not logprobs:
@@ -240,7 +159,7 @@ def parse_tokenize(data: Any) -> tuple[str | None, list[dict[str, Any]] | None, 
     fields = Fields(data)
     fields.read_str("model", None)
     prompt = fields.read_str("prompt", None)
-    messages = _read_messages(fields) if fields.has("messages") else None
+    messages = read_messages(fields) if fields.has("messages") else None
     add_special = fields.read_bool("add_special_tokens", messages is None)
     fields.refuse_rest()
     if (prompt is None) == (messages is None):
@@ -348,83 +267,6 @@ def _check_logprobs(value: int, name: str, limits: Limits) -> int:
     return value
 
 
-def _read_messages(fields: Fields) -> list[dict[str, Any]]:
-    """Chat messages: role plus string content or text content parts (joined)."""
-    value = fields.raw("messages")
-    if not isinstance(value, list) or not value:
-        raise bad_request("messages must be a non-empty list of messages", "messages")
-    messages = [_read_message(Fields(m, where=f"messages[{i}]")) for i, m in enumerate(value)]
-    _check_tool_results(messages)
-    return messages
-
-
-def _check_tool_results(messages: list[dict[str, Any]]) -> None:
-    """Each ``tool`` message answers a call an earlier assistant message made (by its id),
-    as OpenAI requires: a result for no call would show the model an answer nobody asked."""
-    call_ids: set[str] = set()
-    for i, message in enumerate(messages):
-        for call in message.get("tool_calls", ()):
-            if "id" in call:
-                call_ids.add(call["id"])
-        if message["role"] == "tool" and message["tool_call_id"] not in call_ids:
-            name = f"messages[{i}].tool_call_id"
-            raise bad_request(
-                f"{name}: {message['tool_call_id']!r} answers no tool call of an earlier "
-                "assistant message",
-                name,
-            )
-
-
-def _read_message(fields: Fields) -> dict[str, Any]:
-    role = fields.read_str("role", None)
-    if role not in CHAT_ROLES:
-        raise bad_request(
-            f"{fields.name('role')} must be one of {', '.join(CHAT_ROLES)}", fields.name("role")
-        )
-    message: dict[str, Any] = {"role": role, "content": _read_content(fields)}
-    name = fields.read_str("name", None)
-    if name is not None:
-        message["name"] = name
-    if role == "assistant":
-        calls = read_tool_calls(fields)
-        if calls:
-            message["tool_calls"] = calls
-    elif role == "tool":
-        call_id = fields.read_str("tool_call_id", None)
-        if call_id is None:
-            raise bad_request(
-                f"{fields.name('tool_call_id')} is required in a tool message",
-                fields.name("tool_call_id"),
-                code="missing_required_parameter",
-            )
-        message["tool_call_id"] = call_id
-    fields.refuse_rest()
-    return message
-
-
-def _read_content(fields: Fields) -> str:
-    """String content, or a list of ``{"type": "text", "text": ...}`` parts joined by newlines."""
-    value = fields.raw("content")
-    if value is None or isinstance(value, str):
-        return check_text(value or "", fields.name("content"))
-    if not isinstance(value, list):
-        raise fields.wrong_type("content", "a string or a list of text parts")
-    texts = []
-    for i, part in enumerate(value):
-        part_fields = Fields(part, where=f"{fields.name('content')}[{i}]")
-        if part_fields.read_str("type", None) != "text":
-            name = part_fields.name("type")
-            raise bad_request(
-                f"{name}: only text content parts are supported", name, code="unsupported_parameter"
-            )
-        text = part_fields.read_str("text", None)
-        if text is None:
-            raise part_fields.wrong_type("text", "a string")
-        part_fields.refuse_rest()
-        texts.append(text)
-    return "\n".join(texts)
-
-
 def _read_prompts(fields: Fields) -> list[Prompt]:
     """OpenAI's four prompt forms: a string, strings, token ids, lists of token ids."""
     value = fields.raw("prompt")
@@ -446,12 +288,3 @@ def _read_prompts(fields: Fields) -> list[Prompt]:
 
 def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT_MAX
-
-
-def _too_large(max_bytes: int) -> APIError:
-    return APIError(
-        413,
-        f"request body is larger than {max_bytes} bytes",
-        param=None,
-        code="request_too_large",
-    )

@@ -32,13 +32,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
 from inlinelm.api.access import Access, Endpoint
+from inlinelm.api.body import read_json
 from inlinelm.api.errors import bad_request
 from inlinelm.api.protocol import (
     DEFAULT_MAX_FANOUT,
     DEFAULT_MAX_REQUEST_BYTES,
     parse_detokenize,
     parse_tokenize,
-    read_json,
 )
 from inlinelm.api.serving import OpenAIServing, error_response, health_of, ready
 from inlinelm.tools.parsers import ToolParser, get_parser

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from inlinelm.api.body import parse_json, read_body
 from inlinelm.api.disconnect import finals_unless_disconnected
 from inlinelm.api.errors import APIError, bad_request, from_exception
 from inlinelm.api.formats import ChatFormat, ChoiceFormat, CompletionFormat
-from inlinelm.api.protocol import Limits, parse_chat, parse_completion, parse_json, read_body
+from inlinelm.api.protocol import Limits, parse_chat, parse_completion
 from inlinelm.api.request_log import log_streamed, log_whole
 from inlinelm.api.responses import ResponseHeader, TokenTexts, new_id, usage
 from inlinelm.api.sse import (
@@ -33,6 +34,7 @@ from inlinelm.api.sse import (
 )
 from inlinelm.api.tool_format import ToolPolicy
 from inlinelm.errors import EngineError, QueueFullError, RequestError, RequestFailedError
+from inlinelm.runtime.prompt_source import Prompt
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.tools.parsers import ToolParser
 from inlinelm.tools.template import chat_template_text
@@ -150,7 +152,7 @@ class OpenAIServing:
 
     async def _start_all(
         self,
-        prompts: Sequence[str | list[int]],
+        prompts: Sequence[Prompt],
         params: SamplingParams,
         rid: str,
         arrival: float,
@@ -243,7 +245,7 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    async def _prompt_texts(self, prompts: Sequence[str | list[int]], n: int) -> dict[int, str]:
+    async def _prompt_texts(self, prompts: Sequence[Prompt], n: int) -> dict[int, str]:
         """Choice index → its prompt as text (for ``echo``); token-id prompts are decoded
         together, off the loop when they are many."""
         ids = [p for p in prompts if not isinstance(p, str)]

@@ -26,8 +26,8 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from inlinelm.api.body import read_body
 from inlinelm.api.errors import APIError
-from inlinelm.api.protocol import read_body
 from inlinelm.api.sse import frame
 from inlinelm.serve.prefix import prefix_key
 

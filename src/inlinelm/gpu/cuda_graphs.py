@@ -1,5 +1,6 @@
 """CUDA graphs for decode steps: one unit, in the shape of mini-sglang's ``GraphRunner``.
 
+- :func:`build_decode_graphs` sets the unit up for a runner, once, on the engine thread.
 - :func:`capture_sizes` is the one place batch sizes are picked (1, 2, 4, 8, then every 8).
 - :class:`DecodeGraphs` owns static input buffers sized for the largest batch, allocated
   once and only ever written with ``copy_``. It captures the largest size first, all sizes
@@ -27,6 +28,8 @@ the padding and buffer plumbing are tested without a GPU.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -34,12 +37,62 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from inlinelm.gpu.attention.metadata import GraphAttention, GraphPlan, IntArray
+from inlinelm.config import EngineConfig
+from inlinelm.gpu.attention.metadata import AttentionBackend, GraphAttention, GraphPlan, IntArray
 from inlinelm.gpu.input_batch import StepInputs
 from inlinelm.gpu.staging import HostStaging, StagedColumn
 
+logger = logging.getLogger(__name__)
+
 FillPending = Callable[[torch.Tensor], None]
 """Writes the tokens sampled by steps in flight into a step's ``input_ids`` (on the device)."""
+
+
+def build_decode_graphs(
+    model: Callable[..., torch.Tensor],
+    kv_caches: list[torch.Tensor],
+    backend: AttentionBackend,
+    config: EngineConfig,
+    *,
+    max_model_len: int,
+    scratch_block: int,
+    vocab_size: int,
+    device: torch.device,
+    capture: bool,
+) -> DecodeGraphs | None:
+    """A runner's decode graphs over its ``kv_caches``, whose block ``scratch_block`` the
+    pool never hands out (padding rows write there), for up to ``max_cuda_graph_batch_size`` rows (else ``max_num_seqs``,
+    and never more); with ``capture``, captured as CUDA graphs, else run eagerly through
+    the same static buffers (the CPU tests' switch). None when ``backend`` has no static
+    decode (then every step runs eagerly).
+    """
+    limit = min(config.max_cuda_graph_batch_size or config.max_num_seqs, config.max_num_seqs)
+    attention = backend.make_graph_attention(limit, max_model_len, config.block_size, device)
+    if attention is None:
+        return None
+    sizes = capture_sizes(attention.max_batch_size)
+    graphs = DecodeGraphs(
+        model,
+        kv_caches,
+        attention,
+        sizes,
+        scratch_block=scratch_block,
+        block_size=config.block_size,
+        vocab_size=vocab_size,
+        device=device,
+    )
+    if not capture:
+        graphs.capture(EagerCapture())
+        return graphs
+    start = time.perf_counter()
+    graphs.capture(CudaGraphCapture(device))
+    logger.info(
+        "captured %d decode graphs (batch 1..%d) in %.2f s",
+        len(sizes),
+        sizes[-1],
+        time.perf_counter() - start,
+    )
+    return graphs
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -18,13 +17,7 @@ from inlinelm.config import EngineConfig
 from inlinelm.gpu.attention.metadata import AttentionMetadata, IntArray
 from inlinelm.gpu.attention.select import make_attention_backend, select_attention_backend
 from inlinelm.gpu.cpu_threads import CpuThreads
-from inlinelm.gpu.cuda_graphs import (
-    CudaGraphCapture,
-    DecodeGraphs,
-    EagerCapture,
-    FillPending,
-    capture_sizes,
-)
+from inlinelm.gpu.cuda_graphs import DecodeGraphs, FillPending, build_decode_graphs
 from inlinelm.gpu.input_batch import InputBatch, StepInputs
 from inlinelm.gpu.kv_cache import (
     GpuMemoryUse,
@@ -480,37 +473,17 @@ class ModelRunner:
         ``capture=False`` runs the same static-buffer step eagerly: the CPU tests' switch.
         """
         self._graphs_built = True
-        limit = self.config.max_cuda_graph_batch_size or self.config.max_num_seqs
-        attention = self.backend.make_graph_attention(
-            min(limit, self.config.max_num_seqs),
-            self.max_model_len,
-            self.config.block_size,
-            self.device,
-        )
-        if attention is None:
-            return
-        sizes = capture_sizes(attention.max_batch_size)
-        self.graphs = DecodeGraphs(
+        self.graphs = build_decode_graphs(
             self.model,
             self.kv_caches,
-            attention,
-            sizes,
+            self.backend,
+            self.config,
+            max_model_len=self.max_model_len,
             scratch_block=self.scratch_block,
-            block_size=self.config.block_size,
             vocab_size=self.model_config.vocab_size,
             device=self.device,
+            capture=capture,
         )
-        if not capture:
-            self.graphs.capture(EagerCapture())
-        else:
-            start = time.perf_counter()
-            self.graphs.capture(CudaGraphCapture(self.device))
-            logger.info(
-                "captured %d decode graphs (batch 1..%d) in %.2f s",
-                len(sizes),
-                sizes[-1],
-                time.perf_counter() - start,
-            )
 
     def _ensure_graphs(self) -> None:
         if not self._graphs_built and self.overlaps and not self.config.enforce_eager:

@@ -16,6 +16,8 @@ from starlette.types import ASGIApp
 
 from inlinelm.api import create_app
 from inlinelm.config import EngineConfig
+from inlinelm.sched.request import Request
+from tests.helpers import core_of
 
 ECHO = EngineConfig(model="default", runner="echo", max_n=4, max_num_seqs=32)
 
@@ -99,6 +101,21 @@ def submitted(echo_app: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     for name in ("stream", "chat"):
         monkeypatch.setattr(engine, name, _recording(getattr(engine, name), name, calls))
     return calls
+
+
+@pytest.fixture
+def queued(echo_app: Any, echo_server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids of the requests handed to the echo engine's thread, as handed."""
+    core = core_of(echo_app.state.engine)
+    ids: list[str] = []
+    add = core.add_request
+
+    def record(request: Request) -> None:
+        ids.append(request.request_id)
+        add(request)
+
+    monkeypatch.setattr(core, "add_request", record)
+    return ids
 
 
 def _recording(call: Callable[..., Any], name: str, calls: list[str]) -> Callable[..., Any]:

@@ -16,7 +16,7 @@ from inlinelm.api.protocol import (
 )
 from inlinelm.sampling_params import OutputKind
 
-LIMITS = Limits(max_n=4, max_logprobs=5)
+LIMITS = Limits()
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -127,14 +127,14 @@ def test_text_content_parts_are_joined() -> None:
         ({"temperature": 101}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"n": True}, "n"),
-        ({"n": 5}, "n"),
+        ({"n": 0}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"stop": [1]}, "stop"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"logit_bias": {"1": 1000}}, "logit_bias"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
         (
@@ -206,7 +206,7 @@ def test_completion_defaults_and_fields() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
         ({"echo": True, "logprobs": 1}, "echo"),
         ({"max_completion_tokens": 3}, "max_completion_tokens"),
@@ -231,7 +231,7 @@ def test_tokenize_and_detokenize_bodies() -> None:
 
 
 def test_the_fan_out_of_prompts_times_n_is_capped() -> None:
-    limits = Limits(max_n=4, max_logprobs=5, max_fanout=8)
+    limits = Limits(max_fanout=8)
     assert len(parse_completion({"prompt": ["a"] * 4, "n": 2}, limits).prompts) == 4
     with pytest.raises(APIError) as info:
         parse_completion({"prompt": ["a"] * 3, "n": 3}, limits)
@@ -240,8 +240,16 @@ def test_the_fan_out_of_prompts_times_n_is_capped() -> None:
         parse_completion({"prompt": [[1]] * 9}, limits)
     assert info.value.param == "prompt"
     with pytest.raises(APIError) as info:
-        parse_chat(chat(n=4), Limits(max_n=4, max_fanout=3))
+        parse_chat(chat(n=4), Limits(max_fanout=3))
     assert info.value.param == "n"
+
+
+def test_how_many_choices_and_logprobs_a_request_may_ask_for_is_the_engines_rule() -> None:
+    """Parsing takes any n and logprobs of the right type and sign; the engine's caps
+    (``max_n``, ``max_logprobs``) refuse the rest (tests/api/test_engine_limits.py)."""
+    chat_params = parse_chat(chat(n=200, logprobs=True, top_logprobs=1000), LIMITS).params
+    assert (chat_params.n, chat_params.logprobs) == (200, 1000)
+    assert parse_completion({"prompt": "x", "logprobs": 1000}, LIMITS).params.logprobs == 1000
 
 
 @pytest.mark.parametrize("token", ["²", "١٢", "1_0", " 1", "+1", "-1", "", "9" * 5000, "9" * 30])

@@ -15,7 +15,7 @@ from inlinelm.api.errors import APIError
 from inlinelm.api.protocol import Limits, parse_chat, parse_completion
 from inlinelm.structured.spec import StructuredOutput
 
-LIMITS = Limits(max_n=4, max_logprobs=5)
+LIMITS = Limits()
 USER = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

@@ -27,7 +27,7 @@ from inlinelm.runtime.outputs import CompletionOutput
 from inlinelm.structured.spec import StructuredOutput
 from inlinelm.tools import ForcedCallParser, FunctionTool, HermesParser, forced_schema
 
-LIMITS = Limits(max_n=4, max_logprobs=5)
+LIMITS = Limits()
 USER: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS: list[ChatCompletionToolParam] = [

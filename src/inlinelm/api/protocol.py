@@ -3,7 +3,10 @@
 Parsing happens before anything reaches the engine: a bad body, a field of the wrong type,
 an out-of-range value or a field inlinelm does not implement is a 400 (:class:`APIError`)
 naming the field. Range checks live in :class:`~inlinelm.SamplingParams`, whose
-``RequestError`` is turned into the same 400 here, so each rule is written once.
+``RequestError`` is turned into the same 400 here, and the engine's caps on one request
+(``n``, ``logprobs``, stop strings: ``EngineConfig.max_n``, ``max_logprobs``, …) in the
+engine, which refuses a request past them before queueing it: each rule is written once.
+A chat's engine errors name the chat's own field (:data:`CHAT_PARAMS`).
 
 Sampling fields a body leaves out (or sends as ``null``) stay unset, so the engine gives
 them its defaults: the model's generation_config.json and the ``default_*`` engine options
@@ -13,6 +16,7 @@ them its defaults: the model's generation_config.json and the ``default_*`` engi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,16 +34,19 @@ from inlinelm.tools.forced import forced_structure
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_FANOUT = 256
 
+CHAT_PARAMS = {"prompt": "messages", "logprobs": "top_logprobs"}
+"""The chat field each engine parameter stands for, where their names differ: an engine
+error about ``logprobs`` is, to a chat's client, about ``top_logprobs``."""
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Server-side limits a request is checked against before it reaches the engine.
 
-    ``max_fanout`` bounds the engine requests one HTTP request becomes: prompts × ``n``.
+    ``max_fanout`` bounds the engine requests one HTTP request becomes: prompts × ``n``
+    (how large ``n`` itself may be is the engine's ``max_n``).
     """
 
-    max_n: int = 16
-    max_logprobs: int = 20
     max_fanout: int = DEFAULT_MAX_FANOUT
 
 
@@ -81,16 +88,16 @@ def parse_chat(data: Any, limits: Limits) -> ChatRequest:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     max_tokens = _read_chat_max_tokens(fields)
     stream, include_usage = _read_stream(fields)
-    options = _read_sampling(fields, limits, max_tokens=max_tokens, stream=stream)
+    options = _read_sampling(fields, max_tokens=max_tokens, stream=stream)
     _check_fanout(1, options["n"], limits)
     if logprobs:
-        options["logprobs"] = _check_logprobs(top_logprobs or 0, "top_logprobs", limits)
+        options["logprobs"] = top_logprobs or 0
     tools = read_tools(fields)
     options["structured"] = _chat_constraint(fields, tools)
     request = ChatRequest(
         model=fields.read_str("model", None),
         messages=messages,
-        params=_sampling_params(options),
+        params=_sampling_params(options, CHAT_PARAMS),
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
@@ -124,8 +131,6 @@ def parse_completion(data: Any, limits: Limits) -> CompletionRequest:
     fields = Fields(data)
     prompts = _read_prompts(fields)
     logprobs = fields.read_int("logprobs", None)
-    if logprobs is not None:
-        _check_logprobs(logprobs, "logprobs", limits)
     echo = fields.read_bool("echo", False)
     if echo and logprobs is not None:
         # NOTE: echo with logprobs needs prompt logprobs, which the engine does not compute;
@@ -134,16 +139,14 @@ def parse_completion(data: Any, limits: Limits) -> CompletionRequest:
             "echo together with logprobs is not supported yet", "echo", code="unsupported_parameter"
         )
     stream, include_usage = _read_stream(fields)
-    options = _read_sampling(
-        fields, limits, max_tokens=fields.read_int("max_tokens", 16), stream=stream
-    )
+    options = _read_sampling(fields, max_tokens=fields.read_int("max_tokens", 16), stream=stream)
     _check_fanout(len(prompts), options["n"], limits)
     options["logprobs"] = logprobs
     options["structured"] = read_constraint(fields)[0]
     request = CompletionRequest(
         model=fields.read_str("model", None),
         prompts=prompts,
-        params=_sampling_params(options),
+        params=_sampling_params(options, {}),
         stream=stream,
         include_usage=include_usage,
         echo=echo,
@@ -180,14 +183,10 @@ def parse_detokenize(data: Any) -> list[int]:
     return tokens
 
 
-def _read_sampling(
-    fields: Fields, limits: Limits, *, max_tokens: Any, stream: bool
-) -> dict[str, Any]:
+def _read_sampling(fields: Fields, *, max_tokens: Any, stream: bool) -> dict[str, Any]:
     """The ``SamplingParams`` keyword arguments shared by chat and completions."""
     n = fields.read_int("n", 1)
     assert n is not None
-    if not 1 <= n <= limits.max_n:
-        raise bad_request(f"n must be between 1 and {limits.max_n}, got {n}", "n")
     return {
         "n": n,
         "max_tokens": max_tokens,
@@ -211,12 +210,14 @@ def _read_sampling(
     }
 
 
-def _sampling_params(options: dict[str, Any]) -> SamplingParams:
-    """Build the params; their range errors become 400s naming the field."""
+def _sampling_params(options: dict[str, Any], names: Mapping[str, str]) -> SamplingParams:
+    """Build the params; their range errors become 400s naming the field (``names``: the
+    body's name for a param, where the two differ)."""
     try:
         return SamplingParams(**options)
     except RequestError as exc:
-        raise bad_request(exc.message, exc.param) from None
+        param = names.get(exc.param, exc.param) if exc.param is not None else None
+        raise bad_request(exc.message, param) from None
 
 
 def _read_stream(fields: Fields) -> tuple[bool, bool]:
@@ -259,12 +260,6 @@ def _check_fanout(num_prompts: int, n: int, limits: Limits) -> None:
         f"completions; this server allows at most {limits.max_fanout} per request",
         param,
     )
-
-
-def _check_logprobs(value: int, name: str, limits: Limits) -> int:
-    if not 0 <= value <= limits.max_logprobs:
-        raise bad_request(f"{name} must be between 0 and {limits.max_logprobs}, got {value}", name)
-    return value
 
 
 def _read_prompts(fields: Fields) -> list[Prompt]:

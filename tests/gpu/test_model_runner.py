@@ -89,6 +89,7 @@ def default_runner(default_model_dir: Path) -> Iterator[ModelRunner]:
     runner.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
     [

@@ -85,6 +85,7 @@ SCHEMAS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 def test_every_answer_of_the_default_model_fits_its_schema(streamed: bool) -> None:
     async def answer(engine: Engine, question: str, schema: dict[str, Any]) -> tuple[str, str]:

@@ -23,7 +23,7 @@ from tests.gpu.reference import (
 LoneDecode = Callable[[Path, int], list[int]]
 
 
-@pytest.fixture(params=["tiny", "default"])
+@pytest.fixture(params=["tiny", pytest.param("default", marks=pytest.mark.slow)])
 def model_dir(request: pytest.FixtureRequest) -> Path:
     return Path(request.getfixturevalue(f"{request.param}_model_dir"))
 
@@ -94,6 +94,7 @@ def test_batched_chunked_greedy_matches_transformers(
     assert got == greedy_reference(model_dir)
 
 
+@pytest.mark.slow
 def test_default_model_answers_sensibly(
     default_model_dir: Path, tokenizer: Any, lone_decode: LoneDecode
 ) -> None:

@@ -31,8 +31,6 @@ from inlinelm.gpu.loading.weights import load_model
 from inlinelm.gpu.model.kernels import make_kernels
 from inlinelm.gpu.model_fit import DTYPES, check_model_fits
 from inlinelm.gpu.model_memory import return_free_heap
-from inlinelm.gpu.sampling.batch_sampling import BatchSampling
-from inlinelm.gpu.sampling.grammar_mask import GrammarMasks
 from inlinelm.gpu.sampling.metadata import SamplingMetadata
 from inlinelm.gpu.sampling.sampler import (
     Sampler,
@@ -40,11 +38,11 @@ from inlinelm.gpu.sampling.sampler import (
     flashinfer_sampling,
     to_token_logprobs,
 )
-from inlinelm.gpu.staging import HostStaging, StagedColumn, send_one
-from inlinelm.gpu.step_output import StepInFlight, start_host_copy
+from inlinelm.gpu.sampling.step_sampling import StepSampling
+from inlinelm.gpu.staging import HostStaging, send_one
+from inlinelm.gpu.step_output import StepInFlight
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.output import SchedulerOutput
-from inlinelm.sched.request import Request
 from inlinelm.sched.runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -104,17 +102,16 @@ class ModelRunner:
         self._prepared_thread: int | None = None
         self._closed = False
 
-        # Step path: decode graphs, the last token sampled in each batch row (on the
-        # device, read by the next step's decodes), steps submitted but not collected.
+        # Step path: decode graphs, the sampling state kept across steps (the last token
+        # sampled in each batch row, read on the device by the next step's decodes), steps
+        # submitted but not collected.
         self.scratch_block = self.num_kv_blocks  # the cache's extra block, never in the pool
         self.graphs: DecodeGraphs | None = None
         self._graphs_built = False
-        self._last_sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
-        self._in_flight: deque[StepInFlight] = deque()
-        self._grammar_masks = GrammarMasks(config.max_num_seqs, self.device)
-        self._sampling = BatchSampling(
+        self._step_sampling = StepSampling(
             config.max_num_seqs, self.model_config.vocab_size, self.device
         )
+        self._in_flight: deque[StepInFlight] = deque()
         # Loading freed its temporaries (file reads, unpacked copies) into malloc's arenas.
         return_free_heap()
 
@@ -259,7 +256,7 @@ class ModelRunner:
         inputs = self.batch.prepare(rows, num_scheduled, starts, samples)
         staging = HostStaging(self.device)
         forward = self._stage_forward(inputs, staging)
-        sample = self._stage_sample(batch, inputs, staging)
+        sample = self._step_sampling.stage(self.sampler, batch, inputs, self.batch, staging)
         staging.send()
         # 3) run the model on the rows that sample, sample on the device; the ids start on
         # their way to the host
@@ -338,9 +335,7 @@ class ModelRunner:
                     row_list[i] = row = self.batch.add(
                         request, _generator(request.params.seed, self.device)
                     )
-                    self._sampling.add_row(
-                        row, request.params, request.prompt_token_ids, request.output_token_ids
-                    )
+                    self._step_sampling.add_row(row, request)
         rows = np.array(row_list, dtype=np.int64)
         self.batch.sync_blocks(rows, [request.block_ids for request in requests])
         return (
@@ -405,64 +400,11 @@ class ModelRunner:
         tokens = staging.add(inputs.pending_tokens, np.int64)
 
         def fill(input_ids: torch.Tensor) -> None:
-            input_ids.index_copy_(0, tokens.get(), self._last_sampled.index_select(0, rows.get()))
-
-        return fill
-
-    def _stage_sample(
-        self, batch: SchedulerOutput, inputs: StepInputs, staging: HostStaging
-    ) -> Callable[[torch.Tensor], StepInFlight]:
-        """Stage the sampling of a step; the result samples its logits once sent."""
-        scheduled = batch.scheduled
-        positions = inputs.sampling_positions
-        if len(positions) == len(scheduled):
-            requests = [item.request for item in scheduled]
-        else:
-            requests = [scheduled[i].request for i in positions.tolist()]
-        if not requests:
-            empty = StepInFlight([], inputs.sampling_rows, torch.empty(0, dtype=torch.int64))
-            return lambda logits: empty
-        generators = self.batch.generators
-        finish = self._sampling.stage(
-            requests,
-            inputs.sampling_rows,
-            self.batch.sampling,
-            [generators[row] for row in inputs.sampling_rows.tolist()],
-            staging,
-        )
-        # NOTE: the rows' columns pick the few requests to look at: this runs every step.
-        sampling_rows = inputs.sampling_rows
-        early = np.flatnonzero(self.batch.sampling.min_tokens[sampling_rows]).tolist()
-        banned = _stage_early_stops(requests, early, staging)
-        constrained = np.flatnonzero(self.batch.has_grammar[sampling_rows]).tolist()
-        grammars = [(i, g) for i in constrained if (g := requests[i].grammar) is not None]
-        grammar_rows = None
-        if grammars and len(grammars) != len(requests):
-            grammar_rows = staging.add([i for i, _ in grammars], np.int64)
-        rows = staging.add(inputs.sampling_rows, np.int64)
-
-        def sample(logits: torch.Tensor) -> StepInFlight:
-            # NOTE: the penalty tables already hold the tokens of steps in flight: each step
-            # records its samples into them on the device.
-            meta = finish()
-            if banned is not None:
-                logits.index_put_(
-                    (banned[0].get(), banned[1].get()), logits.new_full((), float("-inf"))
-                )
-            if grammars:
-                # NOTE: the scheduler never samples a constrained row while an earlier sample
-                # of it is in flight, so its matcher has consumed every token before this one.
-                index = None if grammar_rows is None else grammar_rows.get()
-                self._grammar_masks.apply(logits, [m for _, m in grammars], index)
-            out = self.sampler(logits, meta)
-            sampled = out.sampled.long()
-            self._last_sampled.index_copy_(0, rows.get(), sampled)
-            self._sampling.tables.record(rows.get(), sampled)
-            return start_host_copy(
-                requests, inputs.sampling_rows, sampled, out.logprobs, meta.num_logprobs
+            input_ids.index_copy_(
+                0, tokens.get(), self._step_sampling.last_sampled.index_select(0, rows.get())
             )
 
-        return sample
+        return fill
 
     # -- decode graphs -----------------------------------------------------------------
 
@@ -525,9 +467,7 @@ _RELEASED_ON_CLOSE = (
     "backend",
     "sampler",
     "batch",
-    "_sampling",
-    "_grammar_masks",
-    "_last_sampled",
+    "_step_sampling",
 )
 """Runner attributes dropped by :meth:`ModelRunner.close` (each closed first if it can be);
 the decode graphs are released first, by ``_close_step_state``."""
@@ -537,35 +477,6 @@ def _close_part(part: object) -> None:
     close = getattr(part, "close", None)
     if callable(close):
         close()
-
-
-def _stage_early_stops(
-    requests: list[Request], candidates: list[int], staging: HostStaging
-) -> tuple[StagedColumn, StagedColumn] | None:
-    """(row, token) pairs of the EOS and stop tokens banned for rows short of ``min_tokens``,
-    among ``candidates`` (the indices into ``requests`` of those with a ``min_tokens``).
-
-    Outputs sampled by steps in flight count: ``num_pending_samples`` includes them and this
-    step's own sample. A row with a grammar is left alone: its grammar decides when the
-    output may end (banning the EOS a complete output needs would leave no token).
-    """
-    rows: list[int] = []
-    tokens: list[int] = []
-    for i in candidates:
-        request = requests[i]
-        params = request.params
-        if request.grammar is not None or not params.min_tokens:
-            continue
-        if len(request.output_token_ids) + request.num_pending_samples - 1 >= params.min_tokens:
-            continue
-        banned = list(params.stop_token_ids)
-        if request.eos_token_id is not None and not params.ignore_eos:
-            banned.append(request.eos_token_id)
-        rows += [i] * len(banned)
-        tokens += banned
-    if not rows:
-        return None
-    return staging.add(rows, np.int64), staging.add(tokens, np.int64)
 
 
 def runner_device(name: str) -> torch.device:

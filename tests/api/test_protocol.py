@@ -15,20 +15,7 @@ from inlinelm.api.protocol import (
     parse_tokenize,
 )
 from inlinelm.sampling_params import OutputKind
-
-LIMITS = Limits()
-USER = [{"role": "user", "content": "hi"}]
-
-
-def chat(**fields: Any) -> dict[str, Any]:
-    return {"model": "default", "messages": USER, **fields}
-
-
-def refused(parse: Any, body: Any) -> APIError:
-    with pytest.raises(APIError) as info:
-        parse(body, LIMITS)
-    assert info.value.status == 400
-    return info.value
+from tests.api.helpers import LIMITS, USER, chat, refused
 
 
 def test_chat_maps_every_sampling_field() -> None:
@@ -160,7 +147,7 @@ def test_text_content_parts_are_joined() -> None:
     ],
 )
 def test_chat_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:
-    error = refused(parse_chat, chat(**fields))
+    error = refused(chat(**fields))
     assert error.param == param
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}
 
@@ -174,7 +161,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted() -> None:
 
 
 def test_a_body_that_is_not_an_object_is_refused() -> None:
-    assert refused(parse_chat, [1, 2]).param is None
+    assert refused([1, 2], parse_chat).param is None
 
 
 @pytest.mark.parametrize(
@@ -194,7 +181,7 @@ def test_the_four_prompt_forms(prompt: Any, expected: list[Any]) -> None:
     "prompt", [None, [], [[]], [1, "a"], [-1], [True], 3, [2**63], [[1], [2**64]]]
 )
 def test_bad_prompts_are_refused(prompt: Any) -> None:
-    assert refused(parse_completion, {"prompt": prompt}).param == "prompt"
+    assert refused({"prompt": prompt}).param == "prompt"
 
 
 def test_completion_defaults_and_fields() -> None:
@@ -215,7 +202,7 @@ def test_completion_defaults_and_fields() -> None:
     ],
 )
 def test_completion_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:
-    assert refused(parse_completion, {"prompt": "x", **fields}).param == param
+    assert refused({"prompt": "x", **fields}).param == param
 
 
 def test_tokenize_and_detokenize_bodies() -> None:
@@ -254,7 +241,7 @@ def test_how_many_choices_and_logprobs_a_request_may_ask_for_is_the_engines_rule
 
 @pytest.mark.parametrize("token", ["²", "١٢", "1_0", " 1", "+1", "-1", "", "9" * 5000, "9" * 30])
 def test_logit_bias_keys_are_ascii_token_ids_in_range(token: str) -> None:
-    assert refused(parse_chat, chat(logit_bias={token: 1})).param == "logit_bias"
+    assert refused(chat(logit_bias={token: 1})).param == "logit_bias"
 
 
 def test_logit_bias_takes_plain_token_ids() -> None:
@@ -287,7 +274,7 @@ LONE = "a\ud800b"
 def test_a_lone_surrogate_is_refused_naming_the_field(
     parse: Any, body: dict[str, Any], param: str | None
 ) -> None:
-    error = refused(parse, body)
+    error = refused(body, parse)
     assert error.param == (param or "messages[0].name")
 
 
@@ -303,7 +290,7 @@ def test_surrogate_pairs_are_text() -> None:
 
 
 def test_an_error_naming_an_unencodable_field_still_renders() -> None:
-    error = refused(parse_completion, {"prompt": "x", LONE: 1})
+    error = refused({"prompt": "x", LONE: 1})
     assert b"\\ud800" in error.response().body
 
 
@@ -323,4 +310,4 @@ def test_an_error_naming_an_unencodable_field_still_renders() -> None:
     ],
 )
 def test_huge_integers_are_400s(fields: dict[str, Any]) -> None:
-    refused(parse_completion, {"prompt": "x", **fields})
+    refused({"prompt": "x", **fields})

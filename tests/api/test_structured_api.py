@@ -11,17 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from inlinelm.api.errors import APIError
-from inlinelm.api.protocol import Limits, parse_chat, parse_completion
+from inlinelm.api.protocol import parse_chat, parse_completion
 from inlinelm.structured.spec import StructuredOutput
+from tests.api.helpers import LIMITS, chat, refused
 
-LIMITS = Limits()
-USER = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-
-
-def chat(**fields: Any) -> dict[str, Any]:
-    return {"messages": USER, **fields}
 
 
 def completion(**fields: Any) -> dict[str, Any]:
@@ -31,14 +25,6 @@ def completion(**fields: Any) -> dict[str, Any]:
 def structured(body: dict[str, Any]) -> StructuredOutput | None:
     parse = parse_chat if "messages" in body else parse_completion
     return parse(body, LIMITS).params.structured
-
-
-def refused(body: dict[str, Any]) -> APIError:
-    parse = parse_chat if "messages" in body else parse_completion
-    with pytest.raises(APIError) as info:
-        parse(body, LIMITS)
-    assert info.value.status == 400
-    return info.value
 
 
 @pytest.mark.parametrize("make", [chat, completion])

@@ -19,15 +19,14 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
-from inlinelm.api.errors import APIError
-from inlinelm.api.protocol import Limits, parse_chat
+from inlinelm.api.protocol import parse_chat
 from inlinelm.api.responses import TokenTexts
 from inlinelm.api.tool_format import ToolChatFormat
 from inlinelm.runtime.outputs import CompletionOutput
 from inlinelm.structured.spec import StructuredOutput
 from inlinelm.tools import ForcedCallParser, FunctionTool, HermesParser, forced_schema
+from tests.api.helpers import LIMITS, chat, refused
 
-LIMITS = Limits()
 USER: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS: list[ChatCompletionToolParam] = [
@@ -42,17 +41,6 @@ ECHOED_CALL: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": CALL},
     {"role": "user", "content": "Weather in Paris?"},
 ]
-
-
-def chat(**fields: Any) -> dict[str, Any]:
-    return {"messages": USER, **fields}
-
-
-def refused(body: dict[str, Any]) -> APIError:
-    with pytest.raises(APIError) as info:
-        parse_chat(body, LIMITS)
-    assert info.value.status == 400
-    return info.value
 
 
 # -- parsing -------------------------------------------------------------------------------

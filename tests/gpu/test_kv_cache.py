@@ -215,3 +215,58 @@ def test_separate_k_and_v_are_written_in_two_copies(monkeypatch: pytest.MonkeyPa
     assert calls == [0, 0]
     assert torch.equal(got[0, slots], k) and torch.equal(got[1, slots], v)
     assert adjacent_pair(k, v[:, :1]) is None and adjacent_pair(v, k) is None
+
+
+def test_the_profiling_forward_runs_at_the_step_token_budget(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA measurement's arithmetic and its forward, with the two CUDA calls faked."""
+    from inlinelm.gpu import kv_cache
+    from inlinelm.gpu.model_runner import ModelRunner
+
+    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=2, max_num_batched_tokens=40)
+    runner = ModelRunner(config, tiny_model_dir)
+    calls: list[int] = []
+    forward = runner.model.forward
+
+    def counted(input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(len(input_ids))
+        logits: torch.Tensor = forward(input_ids, *args)
+        calls.append(len(logits))
+        return logits
+
+    def peak(device: torch.device, run: Any) -> int:
+        run()
+        return 7 * MiB
+
+    sampler = runner.sampler
+    sampled: list[tuple[int, ...]] = []
+
+    def sampling(logits: torch.Tensor, meta: Any) -> Any:
+        sampled.append(tuple(logits.shape))
+        assert meta.max_num_logprobs == config.max_logprobs  # the costliest sampling
+        return sampler(logits, meta)
+
+    def profile(options: EngineConfig, free_at_start: int | None) -> GpuMemoryUse | None:
+        return kv_cache.profile_gpu_memory(
+            options,
+            runner.model_config,
+            runner.max_model_len,
+            runner.dtype,
+            runner.device,
+            free_at_start,
+            forward=runner._dummy_forward,
+            sample=sampling,
+        )
+
+    monkeypatch.setattr(runner.model, "forward", counted)
+    monkeypatch.setattr(kv_cache, "peak_memory_of", peak)
+    monkeypatch.setattr(kv_cache, "free_device_memory", lambda device: 900 * MiB)
+    assert profile(config, None) is None
+    use = profile(config, 1000 * MiB)
+    assert use is not None
+    assert (use.free_at_start, use.used, use.peak_activations) == (1000 * MiB, 100 * MiB, 7 * MiB)
+    assert calls == [40, 2]  # one sequence of the whole budget, logits for max_num_seqs rows
+    assert sampled == [(2, runner.model_config.vocab_size)]  # sampler temporaries counted
+    assert profile(config.with_options(num_kv_blocks=8), 1000 * MiB) is None
+    runner.close()

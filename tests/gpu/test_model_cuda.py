@@ -54,51 +54,6 @@ def test_close_drops_the_model_and_cache_and_is_idempotent(tiny_model_dir: Path)
         assert not hasattr(runner, name), name
 
 
-def test_the_profiling_forward_runs_at_the_step_token_budget(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The CUDA measurement's arithmetic and its forward, with the two CUDA calls faked."""
-    from inlinelm.gpu import model_runner
-
-    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=2, max_num_batched_tokens=40)
-    runner = ModelRunner(config, tiny_model_dir)
-    calls: list[int] = []
-    forward = runner.model.forward
-
-    def counted(input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(len(input_ids))
-        logits: torch.Tensor = forward(input_ids, *args)
-        calls.append(len(logits))
-        return logits
-
-    def peak(device: torch.device, run: Any) -> int:
-        run()
-        return 7 * MiB
-
-    sampler = runner.sampler
-    sampled: list[tuple[int, ...]] = []
-
-    def sampling(logits: torch.Tensor, meta: Any) -> Any:
-        sampled.append(tuple(logits.shape))
-        assert meta.max_num_logprobs == config.max_logprobs  # the costliest sampling
-        return sampler(logits, meta)
-
-    monkeypatch.setattr(runner.model, "forward", counted)
-    monkeypatch.setattr(runner, "sampler", sampling)
-    monkeypatch.setattr(model_runner, "peak_memory_of", peak)
-    monkeypatch.setattr(model_runner, "free_device_memory", lambda device: 900 * MiB)
-    assert runner._profile_gpu_memory(None) is None
-    use = runner._profile_gpu_memory(1000 * MiB)
-    assert use is not None
-    assert (use.free_at_start, use.used, use.peak_activations) == (1000 * MiB, 100 * MiB, 7 * MiB)
-    assert calls == [40, 2]  # one sequence of the whole budget, logits for max_num_seqs rows
-    assert sampled == [(2, runner.model_config.vocab_size)]  # sampler temporaries counted
-    explicit = runner.config.with_options(num_kv_blocks=8)
-    monkeypatch.setattr(runner, "config", explicit)
-    assert runner._profile_gpu_memory(1000 * MiB) is None
-    runner.close()
-
-
 # -- on the device --------------------------------------------------------------------------
 
 

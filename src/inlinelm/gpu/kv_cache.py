@@ -5,8 +5,10 @@ cache holds ``max_num_seqs`` sequences of a typical length (:func:`cpu_kv_cache_
 and a CUDA cache takes what is left of ``gpu_memory_utilization`` x the memory free when
 the engine started, once the weights, the peak activations of a profiling forward and the
 CUDA-graph reserve are counted. :func:`gpu_kv_cache_bytes` is that arithmetic on plain
-numbers; the measurements (:func:`free_device_memory`, :func:`peak_memory_of`) are the
-only CUDA calls here. Every spec says why it has its size (``reason``, logged once).
+numbers; :func:`profile_gpu_memory` takes the measurements it needs (the weights' share
+of the device, the peak of a profiling forward and sampling), and
+:func:`free_device_memory` and :func:`peak_memory_of` are the only CUDA calls here. Every
+spec says why it has its size (``reason``, logged once).
 
 A CPU cache is an anonymous private mapping: the kernel hands out zero pages and counts a
 page in the process's memory only once the cache writes it, so the cache's memory grows
@@ -26,6 +28,8 @@ import torch
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.sampling.metadata import SamplingMetadata
+from inlinelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,15 @@ class GpuMemoryUse:
     free_at_start: int  # free device memory before the runner allocated anything
     used: int  # held once loaded and profiled: weights, workspaces, CUDA library state
     peak_activations: int  # the profiling forward's peak above what was allocated before it
+
+
+DummyForward = Callable[[int, int, list[torch.Tensor]], torch.Tensor]
+"""``forward(n, num_logits, kv_caches)``: the runner's forward over one sequence of ``n``
+zero tokens whose cache is the first blocks of ``kv_caches``; logits of its last
+``num_logits`` positions."""
+
+Sample = Callable[[torch.Tensor, SamplingMetadata], object]
+"""The runner's sampler: ``sample(logits, meta)``."""
 
 
 def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -130,6 +143,87 @@ def gpu_kv_cache_bytes(use: GpuMemoryUse, *, utilization: float, reserve: int) -
             option="gpu_memory_utilization",
         )
     return budget
+
+
+def profile_gpu_memory(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    free_at_start: int | None,
+    *,
+    forward: DummyForward,
+    sample: Sample,
+) -> GpuMemoryUse | None:
+    """On CUDA without an explicit cache size (``free_at_start`` measured, neither
+    ``num_kv_blocks`` nor ``kv_cache_bytes`` set): measure what the loaded runner holds and
+    the activation peak of a forward over ``max_num_batched_tokens`` tokens (one sequence,
+    logits for up to ``max_num_seqs`` rows) and its costliest sampling; else None."""
+    if free_at_start is None or config.num_kv_blocks is not None:
+        return None
+    if config.kv_cache_bytes is not None:
+        return None
+    n = min(config.max_num_batched_tokens, max_model_len)
+    num_logits = min(config.max_num_seqs, n)
+    peak = activation_peak(config, cfg, dtype, device, n, num_logits, forward, sample)
+    torch.cuda.empty_cache()
+    used = free_at_start - free_device_memory(device)
+    logger.info(
+        "GPU memory: %.0f MiB free at start, %.0f MiB weights and workspaces, "
+        "%.0f MiB peak activations at %d tokens",
+        free_at_start / 2**20,
+        used / 2**20,
+        peak / 2**20,
+        n,
+    )
+    return GpuMemoryUse(free_at_start, used, peak)
+
+
+@torch.inference_mode()
+def activation_peak(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    n: int,
+    num_logits: int,
+    forward: DummyForward,
+    sample: Sample,
+) -> int:
+    """Peak bytes of a forward over ``n`` tokens and the costliest sampling of its
+    ``num_logits`` rows, on a scratch cache just big enough."""
+    block_size = config.block_size
+    scratch = allocate_kv_cache(-(-n // block_size), block_size, cfg, dtype, device)
+
+    def step() -> None:
+        logits = forward(n, num_logits, scratch)
+        sample(logits, costliest_sampling(logits.shape[0], config, cfg.vocab_size, device))
+
+    return peak_memory_of(device, step)
+
+
+def costliest_sampling(
+    rows: int, config: EngineConfig, vocab_size: int, device: torch.device
+) -> SamplingMetadata:
+    """Sampling metadata for ``rows`` rows with top-k, top-p, penalties and the most
+    logprobs: every ``[rows, vocab]`` temporary the sampler can make."""
+    params = SamplingParams(
+        temperature=0.7,
+        top_k=50,
+        top_p=0.9,
+        presence_penalty=0.5,
+        repetition_penalty=1.1,
+        logprobs=config.max_logprobs,
+    )
+    return SamplingMetadata.build(
+        [params] * rows,
+        [[0]] * rows,
+        [[0]] * rows,
+        [None] * rows,
+        vocab_size=vocab_size,
+        device=device,
+    )
 
 
 def kv_cache_spec(

@@ -20,18 +20,16 @@ from inlinelm.gpu.cpu_threads import CpuThreads
 from inlinelm.gpu.cuda_graphs import DecodeGraphs, FillPending, build_decode_graphs
 from inlinelm.gpu.input_batch import InputBatch, StepInputs
 from inlinelm.gpu.kv_cache import (
-    GpuMemoryUse,
     allocate_kv_cache,
     format_bytes,
     free_device_memory,
     kv_cache_spec,
-    peak_memory_of,
+    profile_gpu_memory,
 )
 from inlinelm.gpu.loading.weights import load_model
 from inlinelm.gpu.model.kernels import make_kernels
 from inlinelm.gpu.model_fit import DTYPES, check_model_fits
 from inlinelm.gpu.model_memory import return_free_heap
-from inlinelm.gpu.sampling.metadata import SamplingMetadata
 from inlinelm.gpu.sampling.sampler import (
     Sampler,
     SamplerOutput,
@@ -41,7 +39,6 @@ from inlinelm.gpu.sampling.sampler import (
 from inlinelm.gpu.sampling.step_sampling import StepSampling
 from inlinelm.gpu.staging import HostStaging, send_one
 from inlinelm.gpu.step_output import StepInFlight
-from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.output import SchedulerOutput
 from inlinelm.sched.runner import ModelRunnerOutput
 
@@ -93,7 +90,16 @@ class ModelRunner:
             self.model_config,
             self.max_model_len,
             self.dtype,
-            self._profile_gpu_memory(free_at_start),
+            profile_gpu_memory(
+                config,
+                self.model_config,
+                self.max_model_len,
+                self.dtype,
+                self.device,
+                free_at_start,
+                forward=self._dummy_forward,
+                sample=self.sampler,
+            ),
         )
         self.num_kv_blocks = self.kv_spec.num_blocks
         self.kv_caches = self._allocate_kv_cache()
@@ -114,61 +120,6 @@ class ModelRunner:
         self._in_flight: deque[StepInFlight] = deque()
         # Loading freed its temporaries (file reads, unpacked copies) into malloc's arenas.
         return_free_heap()
-
-    def _profile_gpu_memory(self, free_at_start: int | None) -> GpuMemoryUse | None:
-        """On CUDA without an explicit cache size: measure what the weights hold and the
-        activation peak of a forward over ``max_num_batched_tokens`` tokens (one sequence,
-        logits for up to ``max_num_seqs`` rows)."""
-        config = self.config
-        if free_at_start is None or config.num_kv_blocks is not None:
-            return None
-        if config.kv_cache_bytes is not None:
-            return None
-        n = min(config.max_num_batched_tokens, self.max_model_len)
-        peak = self._activation_peak(n, min(config.max_num_seqs, n))
-        torch.cuda.empty_cache()
-        used = free_at_start - free_device_memory(self.device)
-        logger.info(
-            "GPU memory: %.0f MiB free at start, %.0f MiB weights and workspaces, "
-            "%.0f MiB peak activations at %d tokens",
-            free_at_start / 2**20,
-            used / 2**20,
-            peak / 2**20,
-            n,
-        )
-        return GpuMemoryUse(free_at_start, used, peak)
-
-    @torch.inference_mode()
-    def _activation_peak(self, n: int, num_logits: int) -> int:
-        """Peak bytes of a forward over ``n`` tokens, on a scratch cache just big enough."""
-        block_size = self.config.block_size
-        scratch = allocate_kv_cache(
-            -(-n // block_size), block_size, self.model_config, self.dtype, self.device
-        )
-        return peak_memory_of(self.device, lambda: self._profile_step(n, num_logits, scratch))
-
-    def _profile_step(self, n: int, num_logits: int, kv_caches: list[torch.Tensor]) -> None:
-        """A forward over ``n`` tokens, then the costliest sampling of ``num_logits`` rows
-        (top-k, top-p, penalties and the most logprobs: every ``[rows, vocab]`` temporary)."""
-        logits = self._dummy_forward(n, num_logits, kv_caches)
-        params = SamplingParams(
-            temperature=0.7,
-            top_k=50,
-            top_p=0.9,
-            presence_penalty=0.5,
-            repetition_penalty=1.1,
-            logprobs=self.config.max_logprobs,
-        )
-        rows = logits.shape[0]
-        meta = SamplingMetadata.build(
-            [params] * rows,
-            [[0]] * rows,
-            [[0]] * rows,
-            [None] * rows,
-            vocab_size=self.model_config.vocab_size,
-            device=self.device,
-        )
-        self.sampler(logits, meta)
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         spec = self.kv_spec

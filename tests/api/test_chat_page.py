@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +28,7 @@ from inlinelm.runtime.stream import RequestStream
 from inlinelm.sampling_params import SamplingParams
 from tests.api.conftest import ECHO, ServerThread, serve
 from tests.browser import Browser, Page, find_chromium
+from tests.helpers import wait_for
 
 KEY = "sesame"
 # Markup in a prompt comes back in the echo: the page must show it as text.
@@ -153,14 +153,6 @@ def set_max_tokens(page: Page, value: int) -> None:
         page.click("details summary")
     page.evaluate("document.getElementById('max-tokens').value = ''")
     page.type("#max-tokens", str(value))
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    """Poll a real condition until it holds (fails after ``timeout`` seconds)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
 
 
 def test_a_prompt_streams_its_answer_into_the_page_as_text(

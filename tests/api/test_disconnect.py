@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -14,6 +13,7 @@ import pytest
 
 from inlinelm.api import create_app
 from tests.api.conftest import ECHO, ServerThread, serve
+from tests.helpers import wait_for
 
 STEP_S = 0.05
 LONG = {"prompt": "a long story about", "max_tokens": 4000, "ignore_eos": True}
@@ -27,14 +27,6 @@ def app() -> Any:
 @pytest.fixture(scope="module")
 def server(app: Any) -> Iterator[ServerThread]:
     yield from serve(app)
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll a real condition until it holds (fails after ``timeout`` seconds)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.002)
 
 
 def test_a_stream_client_that_disconnects_frees_its_blocks_within_a_step(

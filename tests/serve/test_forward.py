@@ -24,7 +24,7 @@ from inlinelm.serve.forward import (
     serve_forwarded,
 )
 from tests.api.conftest import ECHO, ServerThread, serve
-from tests.api.test_disconnect import wait_for
+from tests.helpers import wait_for
 
 STEP_S = 0.02
 LONG = {"prompt": "a long story about", "max_tokens": 4000, "ignore_eos": True}

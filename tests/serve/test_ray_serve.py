@@ -15,7 +15,7 @@ import asyncio
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -25,6 +25,7 @@ import pytest
 
 from inlinelm.config import EngineConfig
 from inlinelm.serve.ray import ApiOptions, build_app
+from tests.helpers import wait_for
 from tests.serve import faulty_replica
 from tests.serve.ray_import import RAY_MARKS, ray, serve
 
@@ -39,6 +40,8 @@ MAX_BYTES = 1 << 20
 SYSTEM = "You are the shared assistant of this test; keep every answer short. " * 8
 LONG = {"prompt": "a long story about", "max_tokens": 4000, "ignore_eos": True}
 WAIT_S = 60.0
+POLL_S = 0.05
+"""How often a wait looks again: each look asks every replica actor for its stats."""
 SIDE_CPUS = 0.1
 """Each side app's replica: with the main app's 2 x 0.5 they fit num_cpus=2, with room for
 the replica the autoscaler adds and the one that replaces a failed replica."""
@@ -123,14 +126,6 @@ def replica_stats(app: str = APP) -> dict[str, dict[str, Any]]:
             continue  # NOTE: a replica that is stopping (or gone) holds nothing
         stats[one["replica_id"]] = one
     return stats
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:
-    """Poll a real condition until it holds (fails after ``timeout`` seconds)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def running_replicas(app: str = APP) -> int:
@@ -227,8 +222,13 @@ def test_a_disconnect_aborts_the_request_and_frees_its_blocks_on_its_replica(url
         # NOTE: 4000 steps from done: a frame now means SSE is not buffered on the way
         assert stats["running"] == 1 and stats["kv_blocks_used"] > 0
         aborted = stats["finished"].get("abort", 0)
-    wait_for(lambda: replica_stats()[served]["finished"].get("abort", 0) == aborted + 1)
-    wait_for(lambda: replica_stats()[served]["kv_blocks_used"] == 0)
+    wait_for(
+        lambda: replica_stats()[served]["finished"].get("abort", 0) == aborted + 1,
+        WAIT_S,
+        poll_s=POLL_S,
+        what="the abort",
+    )
+    wait_for(lambda: replica_stats()[served]["kv_blocks_used"] == 0, WAIT_S, poll_s=POLL_S)
 
 
 def test_bad_input_is_a_4xx_before_any_200(url: str) -> None:
@@ -290,7 +290,12 @@ def test_a_replica_whose_engine_dies_fails_its_health_check_and_serve_replaces_i
     victim = handle.break_engine.remote().result(timeout_s=WAIT_S)
     body = {"prompt": "the last request", "max_tokens": 5}
     failed = httpx.post(f"{url}/faulty/v1/completions", json=body, timeout=WAIT_S)
-    wait_for(lambda: running_replicas("faulty") == 1 and victim not in replica_stats("faulty"))
+    wait_for(
+        lambda: running_replicas("faulty") == 1 and victim not in replica_stats("faulty"),
+        WAIT_S,
+        poll_s=POLL_S,
+        what="a new faulty replica",
+    )
     served = httpx.post(f"{url}/faulty/v1/completions", json=body, timeout=WAIT_S)
     assert failed.status_code >= 500 and failed.json()["error"]["code"] == "engine_dead"
     assert served.status_code == 200
@@ -363,6 +368,11 @@ def test_killing_a_replica_fails_only_its_streams_and_serve_brings_it_back(url: 
         _, payloads = sse_texts(body.split("\n"))
         assert payloads[-1]["choices"][0]["finish_reason"] == "length"
         assert "error" not in body
-    wait_for(lambda: running_replicas() == 2 and victim not in replica_stats())
+    wait_for(
+        lambda: running_replicas() == 2 and victim not in replica_stats(),
+        WAIT_S,
+        poll_s=POLL_S,
+        what="a replica in place of the killed one",
+    )
     response = httpx.post(f"{url}/v1/completions", json={"prompt": "back", "max_tokens": 4})
     assert response.status_code == 200

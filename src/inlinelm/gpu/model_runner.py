@@ -6,7 +6,6 @@ import gc
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +16,10 @@ from inlinelm.config import EngineConfig
 from inlinelm.gpu.attention.metadata import AttentionMetadata, IntArray
 from inlinelm.gpu.attention.select import make_attention_backend, select_attention_backend
 from inlinelm.gpu.cpu_threads import CpuThreads
-from inlinelm.gpu.cuda_graphs import DecodeGraphs, FillPending, build_decode_graphs
-from inlinelm.gpu.input_batch import InputBatch, StepInputs
+from inlinelm.gpu.cuda_graphs import DecodeGraphs, build_decode_graphs
+from inlinelm.gpu.input_batch import InputBatch
 from inlinelm.gpu.kv_cache import (
+    KVCacheSpec,
     allocate_kv_cache,
     format_bytes,
     free_device_memory,
@@ -28,16 +28,13 @@ from inlinelm.gpu.kv_cache import (
 )
 from inlinelm.gpu.loading.weights import load_model
 from inlinelm.gpu.model.kernels import make_kernels
-from inlinelm.gpu.model_fit import DTYPES, check_model_fits
+from inlinelm.gpu.model.llama import LlamaForCausalLM
+from inlinelm.gpu.model_fit import DTYPES, ModelFit, check_model_fits
 from inlinelm.gpu.model_memory import return_free_heap
-from inlinelm.gpu.sampling.sampler import (
-    Sampler,
-    SamplerOutput,
-    flashinfer_sampling,
-    to_token_logprobs,
-)
-from inlinelm.gpu.sampling.step_sampling import StepSampling
-from inlinelm.gpu.staging import HostStaging, send_one
+from inlinelm.gpu.sampling.sampler import Sampler, flashinfer_sampling
+from inlinelm.gpu.sampling.step_sampling import StepSampling, seeded_generator
+from inlinelm.gpu.staging import HostStaging
+from inlinelm.gpu.step_forward import one_sequence_metadata, stage_forward
 from inlinelm.gpu.step_output import StepInFlight
 from inlinelm.sched.output import SchedulerOutput
 from inlinelm.sched.runner import ModelRunnerOutput
@@ -46,34 +43,54 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Loads the model, owns the paged KV cache and the persistent batch, runs steps."""
+    """Loads the model, owns the paged KV cache and the persistent batch, runs steps.
 
-    def __init__(self, config: EngineConfig, folder: Path) -> None:
+    ``fit`` is the loader's :func:`~inlinelm.gpu.model_fit.check_model_fits` of ``config``
+    and ``folder`` (the one place ``max_model_len`` is resolved); a runner built without
+    one (tests, benchmarks) checks the fit itself.
+    """
+
+    def __init__(self, config: EngineConfig, folder: Path, fit: ModelFit | None = None) -> None:
         self.config = config
         self.device = runner_device(config.device)
         self.dtype = DTYPES[config.model_dtype]
         # NOTE: first, so the first interval it measures ends by the first step.
         self.cpu_threads = CpuThreads(config.num_threads) if self.device.type == "cpu" else None
-        fit = check_model_fits(config, folder)
+        fit = fit or check_model_fits(config, folder)
         self.model_config, self.max_model_len = fit.model_config, fit.max_model_len
         free_at_start = free_device_memory(self.device) if self.device.type == "cuda" else None
+        self._resolve_parts()
+        self.model = self._load_model(folder)
+        self.sampler = Sampler(flashinfer_sampling(self.device))
+        # NOTE: the spec sized before loading, when there is one: the host memory it was
+        # bounded by is what the weights now hold.
+        self.kv_spec = fit.kv_spec or self._size_kv_cache(free_at_start)
+        self.num_kv_blocks = self.kv_spec.num_blocks
+        self.kv_caches = self._allocate_kv_cache()
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
+        self._init_step_state()
+        # Loading freed its temporaries (file reads, unpacked copies) into malloc's arenas.
+        return_free_heap()
+
+    def _resolve_parts(self) -> None:
+        """The kernels and the attention backend for the model on this device."""
+        cfg = self.model_config
         # NOTE: one choice for attention and the model's other kernels: FlashInfer for all,
         # or torch for all (the torch path is the reference the device tests compare to).
         self.kernels_kind = select_attention_backend(
-            config.attention_backend,
-            self.device,
-            self.dtype,
-            head_dim=self.model_config.head_dim,
+            self.config.attention_backend, self.device, self.dtype, head_dim=cfg.head_dim
         )
         self.backend = make_attention_backend(
             self.kernels_kind,
             self.device,
-            self.model_config.num_heads,
-            self.model_config.num_kv_heads,
-            self.model_config.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
             self.dtype,
         )
-        self.model = load_model(
+
+    def _load_model(self, folder: Path) -> LlamaForCausalLM:
+        return load_model(
             folder,
             self.model_config,
             dtype=self.dtype,
@@ -82,35 +99,28 @@ class ModelRunner:
             max_positions=self.max_model_len,
             kernels=make_kernels(self.kernels_kind),
         )
-        self.sampler = Sampler(flashinfer_sampling(self.device))
-        # NOTE: the spec sized before loading, when there is one: the host memory it was
-        # bounded by is what the weights now hold.
-        self.kv_spec = fit.kv_spec or kv_cache_spec(
-            config,
-            self.model_config,
-            self.max_model_len,
-            self.dtype,
-            profile_gpu_memory(
-                config,
-                self.model_config,
-                self.max_model_len,
-                self.dtype,
-                self.device,
-                free_at_start,
-                forward=self._dummy_forward,
-                sample=self.sampler,
-            ),
-        )
-        self.num_kv_blocks = self.kv_spec.num_blocks
-        self.kv_caches = self._allocate_kv_cache()
-        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
-        self._current_threads = 0
-        self._prepared_thread: int | None = None
-        self._closed = False
 
-        # Step path: decode graphs, the sampling state kept across steps (the last token
-        # sampled in each batch row, read on the device by the next step's decodes), steps
-        # submitted but not collected.
+    def _size_kv_cache(self, free_at_start: int | None) -> KVCacheSpec:
+        """The cache's size once loaded: on CUDA, measured around the model (see
+        :func:`~inlinelm.gpu.kv_cache.profile_gpu_memory`)."""
+        cfg, length = self.model_config, self.max_model_len
+        use = profile_gpu_memory(
+            self.config,
+            cfg,
+            length,
+            self.dtype,
+            self.device,
+            free_at_start,
+            forward=self._dummy_forward,
+            sample=self.sampler,
+        )
+        return kv_cache_spec(self.config, cfg, length, self.dtype, use)
+
+    def _init_step_state(self) -> None:
+        """Step path: decode graphs (built at the first step), the sampling state kept across
+        steps (the last token sampled in each batch row, read on the device by the next
+        step's decodes), steps submitted but not collected, thread settings."""
+        config = self.config
         self.scratch_block = self.num_kv_blocks  # the cache's extra block, never in the pool
         self.graphs: DecodeGraphs | None = None
         self._graphs_built = False
@@ -118,8 +128,9 @@ class ModelRunner:
             config.max_num_seqs, self.model_config.vocab_size, self.device
         )
         self._in_flight: deque[StepInFlight] = deque()
-        # Loading freed its temporaries (file reads, unpacked copies) into malloc's arenas.
-        return_free_heap()
+        self._current_threads = 0
+        self._prepared_thread: int | None = None
+        self._closed = False
 
     def _allocate_kv_cache(self) -> list[torch.Tensor]:
         spec = self.kv_spec
@@ -206,7 +217,9 @@ class ModelRunner:
         # 2) build the flat inputs and stage them with the sampling settings; one copy
         inputs = self.batch.prepare(rows, num_scheduled, starts, samples)
         staging = HostStaging(self.device)
-        forward = self._stage_forward(inputs, staging)
+        forward = stage_forward(
+            inputs, staging, self.graphs, self._step_sampling.last_sampled, self._run_model
+        )
         sample = self._step_sampling.stage(self.sampler, batch, inputs, self.batch, staging)
         staging.send()
         # 3) run the model on the rows that sample, sample on the device; the ids start on
@@ -227,16 +240,7 @@ class ModelRunner:
         else:
             live = [i for i, row in enumerate(rows) if held[row] is step.requests[i]]
             self.batch.append_tokens(step.rows[live], sampled[live])
-        logprobs = None
-        if step.logprobs is not None:
-            logprobs = to_token_logprobs(
-                SamplerOutput(step.sampled, step.logprobs), step.num_logprobs
-            )
-        return ModelRunnerOutput(
-            req_ids=[r.request_id for r in step.requests],
-            sampled_token_ids=sampled.tolist(),
-            logprobs=logprobs,
-        )
+        return step.output(sampled)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -253,22 +257,27 @@ class ModelRunner:
         """Run positions ``start..n-1`` of one sequence of zero tokens whose cache is the
         first blocks of ``kv_caches``; logits for the last ``num_logits`` positions."""
         new = n - start
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(start, n, device=self.device),
-            query_start_loc=send_one([0, new], np.int64, self.device),
-            seq_lens=send_one([n], np.int64, self.device),
-            block_tables=torch.arange(-(-n // self.config.block_size), device=self.device)[None],
-            max_query_len=new,
-            max_seq_len=n,
-        )
-        self.backend.prepare(meta, self.config.block_size)
-        logits: torch.Tensor = self.model(
+        return self._run_model(
+            one_sequence_metadata(start, n, self.config.block_size, self.device),
             torch.zeros(new, dtype=torch.int64, device=self.device),
             torch.arange(start, n, device=self.device),
-            kv_caches,
-            meta,
             torch.arange(new - num_logits, new, device=self.device),
+            kv_caches,
         )
+
+    def _run_model(
+        self,
+        meta: AttentionMetadata,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        kv_caches: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Plan attention for ``meta`` once, then run every layer over ``kv_caches`` (the
+        runner's cache when None); logits of the ``logits_indices`` tokens."""
+        self.backend.prepare(meta, self.config.block_size)
+        caches = self.kv_caches if kv_caches is None else kv_caches
+        logits: torch.Tensor = self.model(input_ids, positions, caches, meta, logits_indices)
         return logits
 
     def _sync_rows(
@@ -284,7 +293,7 @@ class ModelRunner:
             for i, request in enumerate(requests):
                 if row_list[i] is None:
                     row_list[i] = row = self.batch.add(
-                        request, _generator(request.params.seed, self.device)
+                        request, seeded_generator(request.params.seed, self.device)
                     )
                     self._step_sampling.add_row(row, request)
         rows = np.array(row_list, dtype=np.int64)
@@ -295,67 +304,6 @@ class ModelRunner:
             np.array([item.start for item in scheduled], dtype=np.int64),
             np.array([item.samples for item in scheduled], dtype=np.bool_),
         )
-
-    def _stage_forward(
-        self, inputs: StepInputs, staging: HostStaging
-    ) -> Callable[[], torch.Tensor]:
-        """Stage a step's model inputs; the result runs the forward once they are sent and
-        returns logits ``[num sampling rows, V]``: a graph replay when it can, else eager."""
-        fill = self._stage_pending(inputs, staging)
-        if self.graphs is not None and self.graphs.can_replay(inputs):
-            graphs, step = self.graphs, self.graphs.stage(inputs, staging)
-            if len(inputs.sampling_rows) == len(inputs.seq_lens):
-                return lambda: graphs.run(step, fill)
-            positions = staging.add(inputs.sampling_positions, np.int64)
-            return lambda: graphs.run(step, fill)[positions.get()]
-        return self._stage_eager(inputs, staging, fill)
-
-    def _stage_eager(
-        self, inputs: StepInputs, staging: HostStaging, fill: FillPending | None
-    ) -> Callable[[], torch.Tensor]:
-        add = staging.add
-        slots, starts = add(inputs.slot_mapping, np.int64), add(inputs.query_start_loc, np.int64)
-        seq_lens, tables = add(inputs.seq_lens, np.int64), add(inputs.block_tables, np.int64)
-        ids, positions = add(inputs.input_ids, np.int64), add(inputs.positions, np.int64)
-        logits_indices = add(inputs.logits_indices, np.int64)
-
-        def forward() -> torch.Tensor:
-            meta = AttentionMetadata(
-                slot_mapping=slots.get(),
-                query_start_loc=starts.get(),
-                seq_lens=seq_lens.get(),
-                block_tables=tables.get(),
-                max_query_len=inputs.max_query_len,
-                max_seq_len=inputs.max_seq_len,
-                host_query_start_loc=inputs.query_start_loc,
-                host_seq_lens=inputs.seq_lens,
-                host_block_tables=inputs.block_tables,
-            )
-            self.backend.prepare(meta, self.config.block_size)
-            input_ids = ids.get()
-            if fill is not None:
-                fill(input_ids)
-            logits: torch.Tensor = self.model(
-                input_ids, positions.get(), self.kv_caches, meta, logits_indices.get()
-            )
-            return logits
-
-        return forward
-
-    def _stage_pending(self, inputs: StepInputs, staging: HostStaging) -> FillPending | None:
-        """What writes the tokens sampled by steps in flight into ``input_ids`` (on the
-        device), or None when the host knows every input token."""
-        if not len(inputs.pending_tokens):
-            return None
-        rows = staging.add(inputs.pending_rows, np.int64)
-        tokens = staging.add(inputs.pending_tokens, np.int64)
-
-        def fill(input_ids: torch.Tensor) -> None:
-            input_ids.index_copy_(
-                0, tokens.get(), self._step_sampling.last_sampled.index_select(0, rows.get())
-            )
-
-        return fill
 
     # -- decode graphs -----------------------------------------------------------------
 
@@ -437,11 +385,3 @@ def runner_device(name: str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    generator = torch.Generator(device)
-    generator.manual_seed(seed)
-    return generator

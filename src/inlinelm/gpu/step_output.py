@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from inlinelm.gpu.attention.metadata import IntArray
-from inlinelm.gpu.sampling.sampler import LogprobsTensors
+from inlinelm.gpu.sampling.sampler import LogprobsTensors, SamplerOutput, to_token_logprobs
 from inlinelm.sched.request import Request
+from inlinelm.sched.runner import ModelRunnerOutput
 
 
 @dataclass(slots=True)
@@ -31,6 +34,19 @@ class StepInFlight:
         """Block until the copies landed (a no-op on the CPU)."""
         if self.ready is not None:
             self.ready.synchronize()  # NOTE: releases the GIL while it waits
+
+    def output(self, sampled: npt.NDArray[np.int64]) -> ModelRunnerOutput:
+        """The step's output for the scheduler, once landed (``sampled``: its ids as numpy)."""
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = to_token_logprobs(
+                SamplerOutput(self.sampled, self.logprobs), self.num_logprobs
+            )
+        return ModelRunnerOutput(
+            req_ids=[r.request_id for r in self.requests],
+            sampled_token_ids=sampled.tolist(),
+            logprobs=logprobs,
+        )
 
 
 def start_host_copy(

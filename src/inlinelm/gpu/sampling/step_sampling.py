@@ -133,3 +133,13 @@ def stage_early_stops(
     if not rows:
         return None
     return staging.add(rows, np.int64), staging.add(tokens, np.int64)
+
+
+def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    """The generator of a request with a ``seed`` (its row's draws, whatever the batch), or
+    None (the shared default generator)."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device)
+    generator.manual_seed(seed)
+    return generator

@@ -17,7 +17,8 @@ import pytest
 
 from inlinelm.errors import EngineClosedError, RequestError
 from inlinelm.structured import StructuredOutput
-from inlinelm.structured.compiler import GrammarCompiler, spec_key
+from inlinelm.structured.cache import spec_key
+from inlinelm.structured.compiler import GrammarCompiler
 from inlinelm.structured.sandbox_main import MAX_OPTIONAL_PROPERTIES
 from tests.structured.conftest import make_compiler
 from tests.structured.grammars import (

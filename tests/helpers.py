@@ -1,5 +1,5 @@
-"""Helpers every test folder shares: the one seam into an engine's internals, and the one
-blocking wait on a condition.
+"""Helpers every test folder shares: the one seam into an engine's internals, the one
+blocking wait on a condition, and where a test's server listens.
 
 Tests that need to see inside a running engine (its engine core, its loops' bridges) go
 through the functions here, never through ``engine._…`` attributes, so a change to how the
@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from inlinelm import Engine
     from inlinelm.runtime.bridge import LoopBridge, OutputDispatcher
     from inlinelm.runtime.loader import LoadedEngine
@@ -66,3 +68,9 @@ def wait_for(
     while not condition():
         assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
         time.sleep(poll_s)
+
+
+def bound_address(server: uvicorn.Server) -> tuple[str, int]:
+    """The host and port a started uvicorn server listens on (it was given port 0)."""
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    return host, port

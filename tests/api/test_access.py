@@ -18,7 +18,7 @@ from starlette.routing import Mount
 from inlinelm.api import create_app, openai_router
 from inlinelm.api.access import HostCheck, host_name
 from inlinelm.runtime.engine import Engine
-from tests.api.conftest import ECHO, ServerThread, serve
+from tests.api.conftest import ECHO, ServerThread, openai_client, serve
 from tests.api.test_errors import check_error
 
 KEY = "sk-test-key"
@@ -69,12 +69,12 @@ def test_the_key_opens_every_endpoint_and_health_needs_none(keyed: ServerThread)
 
 
 def test_the_openai_client_sends_its_api_key(keyed: ServerThread) -> None:
-    with openai.OpenAI(base_url=f"{keyed.url}/v1", api_key=KEY, max_retries=0) as client:
+    with openai_client(keyed.url, api_key=KEY) as client:
         reply = client.chat.completions.create(model="default", messages=USER, max_tokens=3)
         assert reply.choices[0].message.content
         assert [m.id for m in client.models.list()] == ["default"]
     with (
-        openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="wrong", max_retries=0) as client,
+        openai_client(keyed.url, api_key="wrong") as client,
         pytest.raises(openai.AuthenticationError) as info,
     ):
         client.chat.completions.create(model="default", messages=USER)

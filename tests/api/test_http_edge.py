@@ -26,7 +26,7 @@ from inlinelm.api.edge import EdgeServer, edge_protocol, server_config
 from inlinelm.api.edge_limits import EdgeLimits
 from inlinelm.errors import ConfigError
 from inlinelm.runtime.engine import Engine
-from tests.api.conftest import ECHO
+from tests.api.conftest import ECHO, ReadyOnStartup, ServerThread
 from tests.test_cli import _wait_until_serving, serve_command
 
 LIMITS = EdgeLimits(
@@ -37,40 +37,23 @@ SLACK = 40
 WAIT_S = 60.0
 
 
-def bound_address(server: EdgeServer) -> tuple[str, int]:
-    """The host and port a started server listens on (it was given port 0)."""
-    host, port = server.servers[0].sockets[0].getsockname()[:2]
-    return host, port
-
-
-class EdgeThread:
+class EdgeThread(ServerThread):
     """:class:`EdgeServer` on a free port of 127.0.0.1 in a thread, as ``inlinelm serve``
-    configures it (``server_config``), until :meth:`stop`."""
+    configures it (``server_config``), for the duration of a ``with`` block."""
 
     def __init__(self, limits: EdgeLimits, **engine_options: Any) -> None:
         self.engine = Engine(ECHO.with_options(**engine_options))
         config = server_config(
             create_app(self.engine), host="127.0.0.1", port=0, limits=limits, log_level="warning"
         )
-        self.server = _ReadyServer(config, self.engine, limits)
-        self.thread = threading.Thread(target=self.server.run, name="edge-test", daemon=True)
+        super().__init__(_ReadyServer(config, self.engine, limits), name="edge-test")
 
     def __enter__(self) -> EdgeThread:
-        self.thread.start()
-        assert self.server.ready.wait(WAIT_S) and self.server.started, "the server did not start"
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(WAIT_S)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return bound_address(self.server)
-
-    @property
-    def url(self) -> str:
-        return "http://{}:{}".format(*self.address)
+        self.stop()
 
     def connect(self) -> socket.socket:
         return socket.create_connection(self.address, timeout=WAIT_S)
@@ -79,16 +62,8 @@ class EdgeThread:
         return len(self.server.server_state.connections)
 
 
-class _ReadyServer(EdgeServer):
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.ready = threading.Event()
-
-    async def startup(self, sockets: Any = None) -> None:
-        try:
-            await super().startup(sockets)
-        finally:
-            self.ready.set()
+class _ReadyServer(ReadyOnStartup, EdgeServer):
+    """``inlinelm serve``'s server, with the ``ready`` event :class:`ServerThread` awaits."""
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from starlette.routing import Mount, Route
 
 from inlinelm.api import openai_router
 from inlinelm.runtime.engine import Engine
-from tests.api.conftest import ECHO, ServerThread, serve
+from tests.api.conftest import ECHO, ServerThread, openai_client, serve
 
 AUTH = {"Authorization": "Bearer secret"}
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -82,9 +82,7 @@ def test_two_engines_under_two_prefixes(
     server: ServerThread, engines: tuple[Engine, Engine]
 ) -> None:
     for name in ("alpha", "beta"):
-        with openai.OpenAI(
-            base_url=f"{server.url}/llm/{name}/v1", api_key="secret", max_retries=0
-        ) as client:
+        with openai_client(f"{server.url}/llm/{name}", api_key="secret") as client:
             reply = client.chat.completions.create(model=name, messages=USER, max_tokens=3)
             assert reply.model == name and reply.choices[0].message.content
             stream = client.completions.create(

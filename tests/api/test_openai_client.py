@@ -5,8 +5,6 @@ The echo engine answers with the prompt echoed, so every expected text is known 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
@@ -15,12 +13,6 @@ USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me a
 # What the echo engine answers to USER: the chat template's text up to its first
 # <|im_end|> (the EOS token ends the echo), special tokens skipped.
 ANSWER = "system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
 
 
 def test_chat(client: openai.OpenAI) -> None:

@@ -9,7 +9,6 @@ import logging
 import math
 import re
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -29,7 +28,7 @@ from inlinelm.api.sse import TextFrame, encode, frame
 from inlinelm.cli import main
 from inlinelm.config import EngineConfig
 from inlinelm.runtime.outputs import TokenLogprobs
-from tests.api.conftest import ECHO
+from tests.api.conftest import ECHO, serve
 from tests.runtime.helpers import assert_drained, echo_engine, echo_text
 
 STDLIB = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
@@ -81,24 +80,8 @@ def test_serve_falls_back_to_asyncio_and_h11_with_a_warning(
 def served(config: EngineConfig, loop: str, http: str) -> Iterator[tuple[str, Any]]:
     """``create_app(config)`` under uvicorn with ``loop`` and ``http`` on 127.0.0.1."""
     app = create_app(config)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", loop=loop, http=http
-        )
-    )
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{loop}", daemon=True)
-    thread.start()
-    try:
-        for _ in range(600):
-            if server.started or not thread.is_alive():
-                break
-            thread.join(0.1)
-        assert server.started, "uvicorn did not start"
-        host, port = server.servers[0].sockets[0].getsockname()[:2]
-        yield f"http://{host}:{port}", app.state.engine
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    for server in serve(app, loop=loop, http=http):
+        yield server.url, app.state.engine
 
 
 STREAMS: list[tuple[str, dict[str, Any]]] = [

@@ -25,7 +25,7 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 
 from inlinelm.api import create_app
 from inlinelm.config import EngineConfig
-from tests.api.conftest import ServerThread, serve
+from tests.api.conftest import ServerThread, openai_client, serve
 
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Weather in Paris?"}]
 ANSWER_SCHEMA = {
@@ -65,7 +65,8 @@ def model_server(tiny_model_dir: Path) -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def client(model_server: ServerThread) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{model_server.url}/v1", api_key="unused", max_retries=0) as c:
+    """The ``openai`` client of the tiny model's server (not the echo one)."""
+    with openai_client(model_server.url) as c:
         yield c
 
 

@@ -10,7 +10,6 @@ the echo before it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -258,12 +257,6 @@ def test_a_forced_call_is_sent_whole_and_parallel_false_keeps_the_first() -> Non
 
 
 # -- the openai SDK against the echo server --------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
 
 
 def test_auto_answers_with_tool_calls(client: openai.OpenAI) -> None:

@@ -26,6 +26,7 @@ import uvicorn
 from inlinelm import Engine
 from inlinelm.api import create_app
 from inlinelm.sched.output import SchedulerOutput
+from tests.helpers import bound_address
 from tests.runtime.helpers import (
     EOS,
     WAIT_S,
@@ -125,18 +126,23 @@ def echo_answer(engine: Engine, ids: list[int], max_tokens: int, stop: str | Non
 
 
 class LoopServer:
-    """uvicorn serving ``create_app(engine)`` on 127.0.0.1 (a free port) as a task of the
-    running loop, so its connection tasks count in ``asyncio.all_tasks()``.
-
-    The lifespan is off: the test owns the engine and closes it itself.
+    """A uvicorn server (given port 0) as a task of the running loop, so its connection
+    tasks count in ``asyncio.all_tasks()``: uvicorn's own (:meth:`of_engine`) or
+    ``inlinelm serve``'s ``EdgeServer``.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, server: uvicorn.Server) -> None:
+        self.server = server
+        self.task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def of_engine(cls, engine: Engine) -> LoopServer:
+        """``create_app(engine)`` on 127.0.0.1 with the lifespan off: the test owns the
+        engine and closes it itself."""
         config = uvicorn.Config(
             create_app(engine), host="127.0.0.1", port=0, log_level="error", lifespan="off"
         )
-        self.server = uvicorn.Server(config)
-        self.task: asyncio.Task[None] | None = None
+        return cls(uvicorn.Server(config))
 
     async def start(self) -> LoopServer:
         self.task = asyncio.create_task(self.server.serve(), name="chaos-uvicorn")
@@ -148,9 +154,12 @@ class LoopServer:
         return self
 
     @property
+    def address(self) -> tuple[str, int]:
+        return bound_address(self.server)
+
+    @property
     def url(self) -> str:
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return f"http://{host}:{port}"
+        return "http://{}:{}".format(*self.address)
 
     async def stop(self, timeout: float = WAIT_S) -> bool:
         """Stop serving; True if it stopped gracefully within ``timeout`` (else forced)."""
@@ -392,7 +401,7 @@ def new_threads(before: set[threading.Thread], timeout: float = WAIT_S) -> list[
 async def served(engine: Engine) -> AsyncIterator[LoopServer]:
     """``engine`` started and served over HTTP on this loop for the duration of the block."""
     await engine.start()
-    server = await LoopServer(engine).start()
+    server = await LoopServer.of_engine(engine).start()
     try:
         yield server
     finally:

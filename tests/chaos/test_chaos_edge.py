@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +33,8 @@ from inlinelm.api import create_app
 from inlinelm.api.edge import EdgeServer, server_config
 from inlinelm.api.edge_limits import EdgeLimits
 from inlinelm.runtime.engine import Engine
-from tests.api.test_http_edge import bound_address
 from tests.chaos.helpers import (
+    LoopServer,
     Problems,
     check_drained,
     check_no_stray_tasks,
@@ -42,7 +42,8 @@ from tests.chaos.helpers import (
     http_client,
     read_sse,
 )
-from tests.runtime.helpers import WAIT_S, echo_engine, prompt_ids, run
+from tests.helpers import bound_address
+from tests.runtime.helpers import echo_engine, prompt_ids, run, wait_until
 
 LIMITS = EdgeLimits(request_timeout_s=2.0, keep_alive_timeout_s=1.0)
 SLACK = 10
@@ -235,16 +236,17 @@ async def _edge_run() -> Edge:
         app, host="127.0.0.1", port=0, limits=LIMITS, log_level="error", lifespan="off"
     )
     edge = Edge(engine, EdgeServer(config, engine, LIMITS))
-    serving = asyncio.create_task(edge.server.serve(), name="chaos-edge-uvicorn")
-    baseline.add(serving)
+    serving = LoopServer(edge.server)
     try:
-        await _wait_for(lambda: edge.server.started, "the server to start")
+        await serving.start()
+        baseline.add(serving.task)
         await _attack(edge)
-        await _wait_for(lambda: not edge.server.server_state.connections, "connections to close")
+        await wait_until(
+            lambda: not edge.server.server_state.connections, what="connections to close"
+        )
         await check_drained(engine, edge.problems)
     finally:
-        edge.server.should_exit = True
-        await asyncio.wait({serving}, timeout=WAIT_S)
+        await serving.stop()
         await check_no_stray_tasks(baseline, engine, edge.problems)
         await engine.aclose()
     return edge
@@ -268,13 +270,6 @@ async def _attack(edge: Edge) -> None:
         for result in await asyncio.gather(*readers, return_exceptions=True):
             if isinstance(result, BaseException):
                 edge.problems.add(f"a reader failed: {result!r}")
-
-
-async def _wait_for(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.perf_counter() + WAIT_S
-    while not condition():
-        assert time.perf_counter() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
 
 
 def test_streams_flow_exactly_while_huge_heads_and_hundreds_of_slow_connections_are_cut() -> None:

@@ -19,12 +19,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import orjson
 import pytest
 
 from inlinelm.config import EngineConfig
 from inlinelm.serve.ray import ApiOptions, build_app
+from tests.api.conftest import openai_client
 from tests.helpers import wait_for
 from tests.serve import faulty_replica
 from tests.serve.ray_import import RAY_MARKS, ray, serve
@@ -146,7 +146,7 @@ def sse_texts(lines: list[str]) -> tuple[str, list[dict[str, Any]]]:
 
 
 def test_the_openai_sdk_streams_through_the_serve_app(url: str) -> None:
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+    with openai_client(url) as client:
         stream = client.completions.create(
             model="default", prompt="Hello from Ray Serve", max_tokens=50, stream=True
         )

@@ -251,7 +251,8 @@ def build_runner(config: Any, folder: Path) -> Any:
     step, under :func:`runner_as_on_cuda` on a CPU)."""
     from inlinelm.runtime import loader
 
-    runner, _max_model_len, _vocab_size, _overlaps = loader._build_runner(config, folder, None)
+    fit = loader._check_model_fits(config, folder)
+    runner, _max_model_len, _vocab_size, _overlaps = loader._build_runner(config, folder, None, fit)
     return runner
 
 

@@ -198,3 +198,33 @@ def test_start_on_thread_sets_an_indexed_device_in_inference_mode(
     assert current == [0] and modes == [True]
     runner.device = torch.device("cpu")
     runner.close()
+
+
+def test_the_loader_checks_the_fit_once_and_the_runner_takes_its_max_model_len(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dataclasses import replace
+
+    from inlinelm.gpu import model_fit, model_runner
+    from inlinelm.runtime import loader
+
+    calls: list[Path] = []
+    check = model_fit.check_model_fits
+
+    def counted(config: EngineConfig, folder: Path) -> model_fit.ModelFit:
+        calls.append(folder)
+        return check(config, folder)
+
+    monkeypatch.setattr(model_fit, "check_model_fits", counted)
+    monkeypatch.setattr(model_runner, "check_model_fits", counted)
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=8, max_model_len=96)
+    fit = loader._check_model_fits(config, tiny_model_dir)
+    assert fit is not None and fit.max_model_len == 96
+    runner, max_model_len, _, _ = loader._build_runner(config, tiny_model_dir, 2, fit)
+    assert calls == [tiny_model_dir] and max_model_len == 96
+    assert isinstance(runner, ModelRunner) and runner.max_model_len == 96
+    runner.close()
+    # The runner takes the length as given: it resolves none of its own.
+    runner = ModelRunner(config, tiny_model_dir, replace(fit, max_model_len=64))
+    assert runner.max_model_len == 64 and calls == [tiny_model_dir]
+    runner.close()

@@ -51,14 +51,13 @@ class Harness:
         self,
         config: EngineConfig,
         num_blocks: int,
-        max_model_len: int | None = None,
         *,
         pipelined: bool = False,
     ):
         self.config = config
         self.pipelined = pipelined
         self.in_flight: list[SchedulerOutput] = []
-        self.scheduler = Scheduler(config, num_blocks, EOS, max_model_len)
+        self.scheduler = Scheduler(config, num_blocks, EOS)
         self.runner = EchoRunner(config, num_blocks, EOS, check_kv=True)
         self.requests: dict[str, Request] = {}
         self.outputs: dict[str, list[EngineCoreOutput]] = defaultdict(list)
@@ -325,11 +324,13 @@ def test_max_model_len_finishes_with_length(pipelined: bool) -> None:
     assert harness.finish("a") is FinishReason.LENGTH
 
 
-def test_max_model_len_can_be_passed_in_when_not_configured(pipelined: bool) -> None:
-    harness = Harness(config(), 16, max_model_len=7, pipelined=pipelined)
+def test_without_max_model_len_configured_the_kv_cache_is_the_limit(pipelined: bool) -> None:
+    harness = Harness(config(), 2, pipelined=pipelined)  # 2 blocks of 4 tokens
+    assert harness.scheduler.max_model_len == 8
     harness.add("a", [10, 11, 12, 13], max_tokens=None, ignore_eos=True)
     harness.run()
-    assert harness.tokens("a") == [10, 11, 12]
+    assert harness.tokens("a") == [10, 11, 12, 13]
+    assert harness.finish("a") is FinishReason.LENGTH
 
 
 def test_min_tokens_suppresses_eos_until_reached(pipelined: bool) -> None:

@@ -20,7 +20,7 @@ from inlinelm.structured.compiler import GrammarCompiler
 from inlinelm.structured.sandbox import TokenizerSource
 
 if TYPE_CHECKING:
-    from inlinelm.gpu.model.config import ModelConfig
+    from inlinelm.gpu.model_fit import ModelFit
 
 logger = logging.getLogger("inlinelm")
 
@@ -69,10 +69,10 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
 
     start = time.perf_counter()
     files = resolve_model(config.model)
-    model_config = _check_model_fits(config, files.folder)
+    fit = _check_model_fits(config, files.folder)
     tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else files.folder)
-    if model_config is not None:
-        _check_vocabulary(len(tokenizer), model_config.vocab_size, files.folder)
+    if fit is not None:
+        _check_vocabulary(len(tokenizer), fit.model_config.vocab_size, files.folder)
     logger.info("tokenizer loaded in %.2f s", time.perf_counter() - start)
     eos = tokenizer.eos_token_id
     defaults = config.sampling_defaults(files.generation)
@@ -82,7 +82,7 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
         defaults,
         completion_defaults["max_tokens"],
     )
-    runner, max_model_len, vocab_size, overlaps = _build_runner(config, files.folder, eos)
+    runner, max_model_len, vocab_size, overlaps = _build_runner(config, files.folder, eos, fit)
     # NOTE: a runner that computes on the engine thread (the CPU model) gains nothing from
     # the pipelined loop, so it keeps the plain one.
     core_config = config.with_options(
@@ -112,15 +112,17 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
     return LoadedEngine(core, tokenizer, max_model_len, eos, admission, grammars)
 
 
-def _check_model_fits(config: EngineConfig, folder: Path) -> ModelConfig | None:
-    """The model's config once it is known to fit (``check_model_fits``); None for the
-    echo runner, which loads no weights."""
+def _check_model_fits(config: EngineConfig, folder: Path) -> ModelFit | None:
+    """What ``check_model_fits`` found once the model is known to fit: its config, the
+    ``max_model_len`` served (resolved here, once: the runner and the scheduler take it as
+    given) and the KV cache's spec when fixed up front; None for the echo runner, which
+    loads no weights (:func:`_build_echo_runner` resolves its length)."""
     if config.runner == "echo":
         return None
     from inlinelm.gpu.model_fit import check_model_fits
 
     check_device(config.device)
-    return check_model_fits(config, folder).model_config
+    return check_model_fits(config, folder)
 
 
 def _check_vocabulary(num_tokens: int, vocab_size: int, folder: Path) -> None:
@@ -136,16 +138,17 @@ def _check_vocabulary(num_tokens: int, vocab_size: int, folder: Path) -> None:
 
 
 def _build_runner(
-    config: EngineConfig, folder: Path, eos: int | None
+    config: EngineConfig, folder: Path, eos: int | None, fit: ModelFit | None
 ) -> tuple[Runner, int, int, bool]:
     """The runner, the context length, the vocabulary size, and whether the device
-    computes while the engine thread schedules (the pipelined loop pays off)."""
+    computes while the engine thread schedules (the pipelined loop pays off); ``fit`` is
+    :func:`_check_model_fits`'s (None for the echo runner)."""
     if config.runner == "echo":
         return (*_build_echo_runner(config, folder, eos), True)
     from inlinelm.gpu.model_runner import ModelRunner
 
     check_device(config.device)
-    runner = ModelRunner(config, folder)
+    runner = ModelRunner(config, folder, fit)
     runner.warmup()
     return runner, runner.max_model_len, runner.model_config.vocab_size, runner.overlaps
 
@@ -176,6 +179,9 @@ def check_device(device: str) -> None:
 def _build_echo_runner(
     config: EngineConfig, folder: Path, eos: int | None
 ) -> tuple[Runner, int, int]:
+    """The echo runner, its context length (the option, else the model's
+    ``max_position_embeddings`` when a config.json is there, else a default: resolved once,
+    here) and its vocabulary size."""
     from inlinelm.gpu.echo_runner import EchoRunner
     from inlinelm.gpu.model.config import ModelConfig
 

@@ -63,14 +63,13 @@ class Scheduler:
         config: EngineConfig,
         num_kv_blocks: int,
         eos_token_id: int | None,
-        max_model_len: int | None = None,
     ) -> None:
         self.config = config
         self.eos_token_id = eos_token_id
         self.kv_cache = KVCacheManager(
             num_kv_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
-        self.max_model_len = self._resolve_max_model_len(num_kv_blocks, max_model_len)
+        self.max_model_len = self._check_max_model_len(num_kv_blocks)
         self._check_config()
         # A step never holds more sequences than tokens, so every running request gets a
         # token each step and none is starved by the budget.
@@ -384,16 +383,19 @@ class Scheduler:
 
     # -- config ----------------------------------------------------------------------
 
-    def _resolve_max_model_len(self, num_kv_blocks: int, max_model_len: int | None) -> int:
+    def _check_max_model_len(self, num_kv_blocks: int) -> int:
+        """The config's ``max_model_len``, as the loader resolved it, once the KV cache
+        holds it; a config without one (a scheduler built outside the loader: tests,
+        benchmarks) serves as many tokens as the cache holds."""
         capacity = num_kv_blocks * self.config.block_size
-        resolved = self.config.max_model_len or max_model_len or capacity
-        if resolved > capacity:
+        max_model_len = self.config.max_model_len or capacity
+        if max_model_len > capacity:
             raise ConfigError(
-                f"max_model_len {resolved} needs more KV blocks than the {num_kv_blocks} "
+                f"max_model_len {max_model_len} needs more KV blocks than the {num_kv_blocks} "
                 f"available ({capacity} tokens): lower max_model_len or give the KV cache more",
                 option="max_model_len",
             )
-        return resolved
+        return max_model_len
 
     def _check_config(self) -> None:
         if (

@@ -5,6 +5,7 @@ dominate the model tests' time on a CPU."""
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from inlinelm.gpu.model.llama import LlamaForCausalLM
+from tests.gpu.fakes import fake_flashinfer_module
 from tests.gpu.reference import PROMPTS, load_ours, load_reference, reference_greedy
 
 REFERENCE_NEW_TOKENS = 32
@@ -47,3 +49,13 @@ def greedy_reference(tokenizer: Any, reference_model: ReferenceModel) -> GreedyR
         return cache[folder]
 
     return get
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``import flashinfer`` gives the CPU stand-in of :mod:`tests.gpu.fakes` (the model's
+    kernels and the attention wrappers), with a small attention workspace."""
+    from inlinelm.gpu.attention import flashinfer_backend
+
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer_module())
+    monkeypatch.setattr(flashinfer_backend, "WORKSPACE_BYTES", 1024)

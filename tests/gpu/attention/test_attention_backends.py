@@ -14,10 +14,9 @@ import torch
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.attention import select as attention_backends
 from inlinelm.gpu.attention.metadata import AttentionMetadata
-from inlinelm.gpu.attention.page_table import PageTable, PageTableArrays
 from inlinelm.gpu.attention.select import make_attention_backend, select_attention_backend
 from inlinelm.gpu.attention.torch_backend import TorchAttention
-from tests.gpu.attention.page_table_oracle import PageTableAttention, paged_attention
+from tests.gpu.attention.page_table_oracle import PageTableAttention
 from tests.gpu.paged_steps import Shape, make_step, run_backend
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -102,118 +101,6 @@ def test_importing_inlinelm_and_the_backends_never_imports_flashinfer() -> None:
 
 
 # -- the FlashInfer glue on the CPU, through a stand-in for its two wrappers ----------------
-
-
-class _FakeWrapper:
-    """Checks what FlashInferAttention hands FlashInfer's wrappers, then attends in torch.
-
-    The positional parameters keep FlashInfer's order and names; options must come by
-    keyword (the backend's rule, valid on 0.6.x and 0.7.x).
-    """
-
-    def __init__(self, workspace: torch.Tensor, kv_layout: str, **options: Any) -> None:
-        assert kv_layout == "NHD" and options.get("backend") == "fa2"
-        self.workspace = workspace
-        self.options = options
-        self.plans = 0
-        self.table: PageTable | None = None
-
-    def _plan(
-        self,
-        qo_indptr: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        kv_last_page_len: torch.Tensor,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        page_size: int,
-        options: dict[str, Any],
-    ) -> None:
-        for host in (qo_indptr, kv_indptr, kv_last_page_len):
-            assert host.device.type == "cpu" and host.dtype == torch.int32
-        assert kv_indices.dtype == torch.int32
-        assert options["q_data_type"] == options["kv_data_type"] == torch.float32
-        assert options["sm_scale"] == head_dim**-0.5 and options["pos_encoding_mode"] == "NONE"
-        self.heads = (num_qo_heads, num_kv_heads, head_dim)
-        arrays = PageTableArrays(qo_indptr, kv_indptr, kv_last_page_len, kv_indices)
-        self.table = PageTable(page_size, len(kv_last_page_len), False, arrays, arrays)
-        self.plans += 1
-
-    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> Any:
-        # NOTE: FlashInfer's decode kernel takes q's row and head strides (only the last
-        # dimension must be dense); prefill is given a dense q.
-        assert self.table is not None and q.stride(-1) == 1
-        assert isinstance(self, _FakeDecode) or q.is_contiguous()
-        k_pages, v_pages = paged_kv_cache
-        assert k_pages.shape[1:] == (self.table.page_size, *self.heads[1:])
-        return paged_attention(q, k_pages, v_pages, self.table, self.heads[2] ** -0.5)
-
-
-class _FakePrefill(_FakeWrapper):
-    def plan(
-        self,
-        qo_indptr: torch.Tensor,
-        paged_kv_indptr: torch.Tensor,
-        paged_kv_indices: torch.Tensor,
-        paged_kv_last_page_len: torch.Tensor,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim_qk: int,
-        page_size: int,
-        **options: Any,
-    ) -> None:
-        assert options["causal"] is True
-        self._plan(
-            qo_indptr,
-            paged_kv_indptr,
-            paged_kv_indices,
-            paged_kv_last_page_len,
-            num_qo_heads,
-            num_kv_heads,
-            head_dim_qk,
-            page_size,
-            options,
-        )
-
-
-class _FakeDecode(_FakeWrapper):
-    def plan(
-        self,
-        indptr: torch.Tensor,
-        indices: torch.Tensor,
-        last_page_len: torch.Tensor,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        page_size: int,
-        **options: Any,
-    ) -> None:
-        qo_indptr = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
-        self._plan(
-            qo_indptr,
-            indptr,
-            indices,
-            last_page_len,
-            num_qo_heads,
-            num_kv_heads,
-            head_dim,
-            page_size,
-            options,
-        )
-
-
-@pytest.fixture
-def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    from inlinelm.gpu.attention import flashinfer_backend
-
-    module = types.ModuleType("flashinfer")
-    vars(module).update(
-        BatchPrefillWithPagedKVCacheWrapper=_FakePrefill,
-        BatchDecodeWithPagedKVCacheWrapper=_FakeDecode,
-    )
-    monkeypatch.setitem(sys.modules, "flashinfer", module)
-    monkeypatch.setattr(flashinfer_backend, "WORKSPACE_BYTES", 1024)
 
 
 @pytest.mark.usefixtures("fake_flashinfer")

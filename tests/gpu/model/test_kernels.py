@@ -5,73 +5,15 @@ ones on a CUDA device."""
 
 from __future__ import annotations
 
-import sys
-import types
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from inlinelm.gpu.model.config import ModelConfig, RopeConfig
 from inlinelm.gpu.model.kernels import FlashInferKernels, Kernels, TorchKernels, make_kernels
 from inlinelm.gpu.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, RotaryEmbedding
 from tests.gpu.reference import PROMPTS, load_ours, prefill_logits
-
-
-def _rmsnorm(
-    input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    h = input.float()
-    result = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(
-        input.dtype
-    )
-    return result if out is None else out.copy_(result)
-
-
-def _fused_add_rmsnorm(
-    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
-) -> None:
-    residual.add_(input)
-    input.copy_(_rmsnorm(residual, weight, eps))
-
-
-def _apply_rope_with_cos_sin_cache_inplace(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    head_size: int,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool = True,
-) -> None:
-    assert is_neox and cos_sin_cache.dtype == torch.float32
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    for x in (query.view(query.shape[0], -1, head_size), key.view(key.shape[0], -1, head_size)):
-        x1, x2 = x.float().chunk(2, dim=-1)
-        c, s = cos[:, None, :], sin[:, None, :]
-        x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype))
-
-
-def _silu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    half = input.shape[-1] // 2
-    result = F.silu(input[..., :half]) * input[..., half:]
-    return result if out is None else out.copy_(result)
-
-
-@pytest.fixture
-def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A ``flashinfer`` with the four functions the model uses, in plain torch."""
-    module = types.ModuleType("flashinfer")
-    module.norm = types.SimpleNamespace(  # type: ignore[attr-defined]
-        rmsnorm=_rmsnorm, fused_add_rmsnorm=_fused_add_rmsnorm
-    )
-    module.rope = types.SimpleNamespace(  # type: ignore[attr-defined]
-        apply_rope_with_cos_sin_cache_inplace=_apply_rope_with_cos_sin_cache_inplace
-    )
-    module.activation = types.SimpleNamespace(silu_and_mul=_silu_and_mul)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "flashinfer", module)
-    yield
 
 
 def test_make_kernels_picks_by_kind() -> None:

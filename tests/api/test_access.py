@@ -20,6 +20,7 @@ from inlinelm.api.access import HostCheck, host_name
 from inlinelm.runtime.engine import Engine
 from tests.api.conftest import ECHO, ServerThread, openai_client, serve
 from tests.api.test_errors import check_error
+from tests.helpers import core_of
 
 KEY = "sk-test-key"
 BEARER = {"Authorization": f"Bearer {KEY}"}
@@ -119,7 +120,7 @@ def test_a_dead_engine_shows_clients_the_error_class_only() -> None:
         def boom(batch: Any) -> Any:
             raise RuntimeError("device lost at /secret/path")
 
-        app.state.engine._loaded.core.runner.submit = boom  # the engine thread dies next step
+        core_of(app.state.engine).runner.submit = boom  # the engine thread dies next step
         first = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, timeout=30)
         health = httpx.get(f"{server.url}/health")
         later = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "stream": True})

@@ -26,7 +26,7 @@ import uvicorn
 from inlinelm import Engine
 from inlinelm.api import create_app
 from inlinelm.sched.output import SchedulerOutput
-from tests.helpers import bound_address
+from tests.helpers import bound_address, bridges_of, core_of
 from tests.runtime.helpers import (
     EOS,
     WAIT_S,
@@ -286,7 +286,7 @@ class OutputHandlerFault:
 
     def install(self, monkeypatch: Any, engine: Engine) -> None:
         loop = asyncio.get_running_loop()
-        bridges = [b for b in engine._dispatcher.bridges() if b.loop is loop]
+        bridges = [b for b in bridges_of(engine) if b.loop is loop]
         assert len(bridges) == 1, "this loop has no output handler yet"
         processor = bridges[0].processor
         original = processor.process_outputs
@@ -306,8 +306,7 @@ class OutputHandlerFault:
 
 def drain_report(engine: Engine) -> str:
     """Where an undrained engine still holds requests (for failure messages)."""
-    assert engine._loaded is not None
-    core = engine._loaded.core
+    core = core_of(engine)
     stats = core.stats
     return (
         f"live (states, parents)={num_live_states(engine)}, "
@@ -337,8 +336,7 @@ async def check_drained(engine: Engine, problems: Problems, timeout: float = DRA
 async def check_released(engine: Engine, problems: Problems, timeout: float = DRAIN_S) -> None:
     """After a fatal fault: the engine thread has exited, and nothing is left of any request
     (no state on any loop, no queued count, every KV block back in the pool)."""
-    assert engine._loaded is not None
-    core = engine._loaded.core
+    core = core_of(engine)
     if not await asyncio.to_thread(core.join, timeout):
         problems.add(f"the engine thread still runs {timeout} s after the fault")
         return
@@ -361,7 +359,7 @@ def stray_tasks(baseline: set[asyncio.Task[Any]], engine: Engine | None) -> list
     sse-starlette's shutdown watcher is allowed: one per event loop (not per request),
     started by the first SSE response; it outlives the server it watched.
     """
-    own = {b.task for b in engine._dispatcher.bridges()} if engine is not None else set()
+    own = {b.task for b in bridges_of(engine)} if engine is not None else set()
     current = asyncio.current_task()
     return sorted(
         f"{t.get_name()}: {t.get_coro()!r}"

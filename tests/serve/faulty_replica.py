@@ -1,10 +1,12 @@
-"""An engine replica whose engine a test can break (pickled by value into Ray's workers)."""
+"""An engine replica whose engine a test can break (pickled by value into Ray's workers,
+with tests.helpers, which it reaches the engine's parts through)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from inlinelm.serve.ray import EngineReplica
+from tests.helpers import core_of
 
 
 class FaultyReplica(EngineReplica):
@@ -12,9 +14,7 @@ class FaultyReplica(EngineReplica):
 
     def break_engine(self) -> str:
         """Make the runner's next step raise (the engine then dies); returns this replica's id."""
-        loaded = self.engine._loaded
-        assert loaded is not None
-        runner = loaded.core.runner
+        runner = core_of(self.engine).runner
 
         def fail(batch: Any) -> None:
             raise RuntimeError("injected: the device fell over")

@@ -24,6 +24,7 @@ import pytest
 
 from inlinelm.config import EngineConfig
 from inlinelm.serve.ray import ApiOptions, build_app
+from tests import helpers
 from tests.api.conftest import openai_client
 from tests.helpers import wait_for
 from tests.serve import faulty_replica
@@ -92,7 +93,9 @@ def url() -> Iterator[str]:
 def side_apps() -> list[serve.RunTarget]:
     """The apps of the tests that need a deployment of their own, each named for its
     route prefix."""
-    ray.cloudpickle.register_pickle_by_value(faulty_replica)  # NOTE: workers lack tests/
+    # NOTE: workers lack tests/: the replica class and the helpers it calls go by value
+    ray.cloudpickle.register_pickle_by_value(faulty_replica)
+    ray.cloudpickle.register_pickle_by_value(helpers)
     side = {"num_cpus": SIDE_CPUS}
     apps = {
         "full": build_app(FULL, num_replicas=1, ray_actor_options=side),

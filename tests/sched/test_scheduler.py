@@ -21,24 +21,6 @@ from inlinelm.sched.scheduler import Scheduler
 EOS = 2
 
 
-def expected_echo(
-    prompt: list[int],
-    max_tokens: int,
-    *,
-    min_tokens: int = 0,
-    ignore_eos: bool = False,
-    max_model_len: int = 10**9,
-) -> list[int]:
-    """What the echo runner and the scheduler's finish checks produce for one request."""
-    cycle = [*prompt, EOS]
-    out: list[int] = []
-    while len(out) < min(max_tokens, max_model_len - len(prompt)):
-        out.append(cycle[len(out) % len(cycle)])
-        if out[-1] == EOS and not ignore_eos and len(out) > min_tokens:
-            break
-    return out
-
-
 class Harness:
     """Runs schedule → execute → update like the engine core, checking every batch.
 
@@ -148,7 +130,7 @@ def test_every_request_gets_its_exact_echo(pipelined: bool) -> None:
         harness.add(request_id, prompt, max_tokens=50)
     harness.run()
     for request_id, prompt in prompts.items():
-        assert harness.tokens(request_id) == expected_echo(prompt, 50)
+        assert harness.tokens(request_id) == EchoRunner.expected(prompt, 50, eos_token_id=EOS)
         assert harness.finish(request_id) is FinishReason.STOP
     harness.assert_all_blocks_free()
 
@@ -196,7 +178,7 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget() -> None:
     batch = harness.step()
     assert [(i.request.request_id, i.num_tokens) for i in batch.scheduled] == [("a", 1), ("b", 10)]
     harness.run()
-    assert harness.tokens("b") == expected_echo(list(range(30, 40)), 5)
+    assert harness.tokens("b") == EchoRunner.expected(list(range(30, 40)), 5, eos_token_id=EOS)
 
 
 def test_without_chunked_prefill_max_model_len_must_fit_the_budget() -> None:
@@ -233,7 +215,7 @@ def test_no_starvation_under_a_steady_stream_of_arrivals(pipelined: bool) -> Non
     assert harness.first_scheduled == arrivals
     for request_id in arrivals:
         prompt = harness.requests[request_id].prompt_token_ids
-        assert harness.tokens(request_id) == expected_echo(prompt, 6)
+        assert harness.tokens(request_id) == EchoRunner.expected(prompt, 6, eos_token_id=EOS)
     harness.assert_all_blocks_free()
 
 
@@ -248,7 +230,7 @@ def test_prefix_cache_hit_on_a_second_request_with_the_same_prefix() -> None:
     harness.run()
     assert harness.outputs["second"][0].num_cached_tokens == 12
     assert harness.outputs["first"][0].num_cached_tokens == 0
-    assert harness.tokens("second") == expected_echo([*prefix, 30], 20)
+    assert harness.tokens("second") == EchoRunner.expected([*prefix, 30], 20, eos_token_id=EOS)
     stats = harness.scheduler.prefix_cache_stats
     assert (stats.num_queried_tokens, stats.num_hit_tokens) == (14 + 13, 12)
 
@@ -274,7 +256,9 @@ def test_preemption_in_a_tiny_pool_still_gives_every_exact_output(pipelined: boo
     assert harness.scheduler.num_preemptions > 0
     assert any(r.num_preemptions > 0 for r in harness.requests.values())
     for request_id, prompt in prompts.items():
-        assert harness.tokens(request_id) == expected_echo(prompt, 40, max_model_len=48)
+        assert harness.tokens(request_id) == EchoRunner.expected(
+            prompt, 40, eos_token_id=EOS, max_model_len=48
+        )
     harness.assert_all_blocks_free()
 
 
@@ -287,7 +271,7 @@ def test_preempted_request_keeps_its_output_and_recomputes_it() -> None:
     assert "new" in batch.removed_ids  # the runner is told to forget it
     assert harness.requests["new"].num_output_tokens > 0
     harness.run()
-    assert harness.tokens("new") == expected_echo(list(range(30, 40)), 12)
+    assert harness.tokens("new") == EchoRunner.expected(list(range(30, 40)), 12, eos_token_id=EOS)
 
 
 def test_eos_finishes_with_stop(pipelined: bool) -> None:
@@ -457,9 +441,10 @@ def test_block_accounting_survives_a_random_mix_of_operations(pipelined: bool) -
     for request_id, request in harness.requests.items():
         params = request.params
         assert params.max_tokens is not None
-        expected = expected_echo(
+        expected = EchoRunner.expected(
             request.prompt_token_ids,
             params.max_tokens,
+            eos_token_id=EOS,
             ignore_eos=params.ignore_eos,
             max_model_len=64,
         )
@@ -508,5 +493,7 @@ def test_pipelined_preemption_takes_victims_whose_step_is_in_flight() -> None:
     harness.run()
     assert any(in_flight_victims)
     for request_id, prompt in prompts.items():
-        assert harness.tokens(request_id) == expected_echo(prompt, 40, max_model_len=48)
+        assert harness.tokens(request_id) == EchoRunner.expected(
+            prompt, 40, eos_token_id=EOS, max_model_len=48
+        )
     harness.assert_all_blocks_free()

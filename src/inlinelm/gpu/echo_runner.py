@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from inlinelm.config import EngineConfig
 from inlinelm.sched.output import ScheduledRequest, SchedulerOutput, TokenLogprobs
@@ -91,13 +92,31 @@ class EchoRunner:
 
     def next_token(self, request: Request, index: int) -> int:
         """The token this runner emits as ``request``'s output number ``index`` (from 0)."""
-        prompt = request.prompt_token_ids
-        cycle = len(prompt) + (self.eos_token_id is not None)
-        position = index % cycle
-        if position == len(prompt):
-            assert self.eos_token_id is not None
-            return self.eos_token_id
-        return prompt[position]
+        return _echo_token(request.prompt_token_ids, index, self.eos_token_id)
+
+    @staticmethod
+    def expected(
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        eos_token_id: int | None,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        max_model_len: int | None = None,
+    ) -> list[int]:
+        """The exact token ids an echo runner with ``eos_token_id`` emits for ``prompt``,
+        as the scheduler's finish checks end it: at EOS once past ``min_tokens`` (unless
+        ``ignore_eos``), at ``max_tokens``, or when prompt and output reach
+        ``max_model_len``. A request with no grammar and no stop tokens."""
+        limit = max_tokens
+        if max_model_len is not None:
+            limit = min(limit, max_model_len - len(prompt))
+        out: list[int] = []
+        while len(out) < limit:
+            out.append(_echo_token(prompt, len(out), eos_token_id))
+            if out[-1] == eos_token_id and not ignore_eos and len(out) > min_tokens:
+                break
+        return out
 
     def close(self) -> None:
         """Drop the fake KV cache."""
@@ -129,6 +148,16 @@ class EchoRunner:
             assert stored == self._token_at(request, position), (
                 f"{request.request_id}: KV at {position} holds {stored}"
             )
+
+
+def _echo_token(prompt: Sequence[int], index: int, eos_token_id: int | None) -> int:
+    """The echo rule (see the module docstring): output number ``index`` of ``prompt``."""
+    cycle = len(prompt) + (eos_token_id is not None)
+    position = index % cycle
+    if position == len(prompt):
+        assert eos_token_id is not None
+        return eos_token_id
+    return prompt[position]
 
 
 def _scripted_logprobs(token_id: int, num_top: int | None) -> TokenLogprobs | None:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.block_pool import ROOT_HASH, BlockPool, hash_block
 from inlinelm.sched.kv_cache_manager import KVCacheManager
 from inlinelm.sched.request import Request
+from tests.sched.helpers import make_request
 
 BLOCK = 4
-
-
-def make_request(request_id: str, prompt: list[int]) -> Request:
-    return Request(request_id, prompt, SamplingParams())
 
 
 def admit(manager: KVCacheManager, request: Request) -> int:

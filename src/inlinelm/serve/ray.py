@@ -6,7 +6,7 @@ in one process. Serve does the HTTP ingress, the replicas, autoscaling and resta
 inlinelm adds is what a generic balancer cannot know:
 
 - **Prefix-aware routing** (``routing="prefix"``, the default): a thin
-  :class:`PrefixIngress` reads each request's body, takes its prompt's prefix key
+  :class:`~inlinelm.serve.ray_ingress.PrefixIngress` reads each request's body, takes its prompt's prefix key
   (:func:`~inlinelm.serve.prefix.prefix_key`), and forwards it through a deployment handle
   whose :class:`~inlinelm.serve.ray_router.PrefixAffinityRouter` sends every request that
   shares the key to one replica (within a load bound), so its prefix cache holds the
@@ -24,6 +24,13 @@ is a 400 and a full replica a 429 with ``Retry-After``, both before any 200. A r
 that dies mid-stream ends its streams with an error frame (``replica_failed``); the other
 replica's streams go on.
 
+The pieces: :mod:`.ray_replica` (:class:`EngineReplica`, one engine per replica),
+:mod:`.ray_ingress` (the ingress, and what a client is told when no replica serves it),
+:mod:`.ray_router` (the handle's routing) and :mod:`.ray_local` (:func:`run`, serving an
+app until a signal: ``inlinelm serve --ray``). This module builds the deployments
+(:func:`build_app`, with their resources, caps and autoscaling policy) and is the public
+entry: every name in ``__all__`` is imported from here.
+
 Three lines from an embedded engine to a Serve app::
 
     from ray import serve
@@ -33,125 +40,44 @@ Three lines from an embedded engine to a Serve app::
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
-import logging
 import math
-import os
-import signal
-import threading
-from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, Literal, cast
+from collections.abc import Mapping
+from typing import Any, Literal
 
 try:
-    import ray
     from ray import serve
     from ray.serve.config import AutoscalingContext
-    from ray.serve.exceptions import BackPressureError
-    from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("inlinelm.serve.ray needs Ray Serve: pip install 'inlinelm[ray]'") from exc
 
-from inlinelm.api.app import create_app
-from inlinelm.api.errors import APIError
-from inlinelm.api.protocol import DEFAULT_MAX_FANOUT, DEFAULT_MAX_REQUEST_BYTES
-from inlinelm.api.router import DEFAULT_SSE_PING_S
 from inlinelm.config import EngineConfig
-from inlinelm.errors import ConfigError
-from inlinelm.runtime.engine import Engine
-from inlinelm.serve.forward import ForwardedRequest, ForwardingApp, MessageBatch, serve_forwarded
 from inlinelm.serve.prefix import DEFAULT_MAX_IMBALANCE, DEFAULT_PREFIX_CHARS
+from inlinelm.serve.ray_ingress import PrefixIngress
+from inlinelm.serve.ray_local import run
+from inlinelm.serve.ray_replica import ApiOptions, EngineReplica
 
-logger = logging.getLogger("inlinelm.serve")
+__all__ = [
+    "DEFAULT_STREAM_BATCH_S",
+    "ApiOptions",
+    "EngineReplica",
+    "EngineServer",
+    "Routing",
+    "build_app",
+    "default_max_ongoing",
+    "engine_load_policy",
+    "replica_resources",
+    "run",
+]
 
 Routing = Literal["prefix", "serve"]
 
 # The ingress only relays, so Serve's cap on requests in flight at one ingress replica
 # (5 by default) would hold streams back at the proxy; it sits far above any engine's.
 _INGRESS_MAX_ONGOING = 4096
-REPLICA_HEADER = b"x-inlinelm-replica"
 # A Ray streaming item costs replica and ingress a fixed CPU price; gathering a stream's
 # frames for 50 ms bounds that to 20 items a second per stream (see build_app). Ray Serve
 # LLM batches its streams over the same 50 ms by default.
 DEFAULT_STREAM_BATCH_S = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class ApiOptions:
-    """What :func:`~inlinelm.api.create_app` takes besides the engine."""
-
-    model_name: str | None = None
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    sse_ping_s: float = DEFAULT_SSE_PING_S
-    max_fanout: int = DEFAULT_MAX_FANOUT
-    api_key: str | None = None
-    allowed_hosts: tuple[str, ...] | None = None
-
-
-class EngineReplica:
-    """One Serve replica: one engine, with the OpenAI router run on forwarded requests."""
-
-    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
-        self, config: EngineConfig, api: ApiOptions, stream_batch_s: float = 0.0
-    ) -> None:
-        self.stream_batch_s = stream_batch_s
-        self.engine = Engine(replica_config(config, _assigned_cpus()))
-        await self.engine.start()  # NOTE: a model that fails to load fails the replica's start
-        self.api_app = create_app(
-            self.engine,
-            model_name=api.model_name,
-            max_request_bytes=api.max_request_bytes,
-            sse_ping_s=api.sse_ping_s,
-            max_fanout=api.max_fanout,
-            api_key=api.api_key,
-            allowed_hosts=api.allowed_hosts,
-        )
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-
-    async def forward(self, request: ForwardedRequest) -> AsyncIterator[MessageBatch]:
-        """Serve one request an ingress read whole; yield its response messages in batches.
-
-        The response names the replica that served it in ``x-inlinelm-replica``.
-        """
-        async for batch in serve_forwarded(self.api_app, request, self.stream_batch_s):
-            for message in batch:
-                if message["type"] == "http.response.start":
-                    headers = list(message.get("headers", []))
-                    headers.append((REPLICA_HEADER, self.replica_id.encode()))
-                    message["headers"] = headers
-            yield batch
-
-    def check_health(self) -> None:
-        """Serve's health check: raises when the engine is dead, stuck or closed."""
-        ok, reason = self.engine.health()
-        if not ok:
-            raise RuntimeError(f"the engine cannot serve: {reason}")
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        """The engine's load for :func:`engine_load_policy`."""
-        stats = self.engine.stats()
-        return {"queued": stats["num_queued"], "running": stats["num_running"]}
-
-    def record_routing_stats(self) -> dict[str, Any]:
-        """What this replica holds: its id, its load and its KV cache (also read by tests)."""
-        stats = self.engine.stats()
-        return {
-            "replica_id": self.replica_id,
-            "queued": stats["num_queued"],
-            "running": stats["num_running"],
-            "kv_blocks_used": stats["kv_blocks_used"],
-            "kv_blocks_total": stats["kv_blocks_total"],
-            "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
-            "prefix_cache_queried_tokens": stats["prefix_cache_queried_tokens"],
-            "finished": stats["finished"],
-        }
-
-    def __del__(self) -> None:
-        """Serve's shutdown hook for a replica: stop the engine thread and free its memory."""
-        engine = getattr(self, "engine", None)  # NOTE: absent when the constructor failed
-        if engine is not None:
-            engine.close()
 
 
 class _TakesHTTP:
@@ -177,63 +103,6 @@ def _http_server(replica_class: type[EngineReplica]) -> type[EngineReplica]:
         type(f"{replica_class.__name__}Server", (_TakesHTTP, replica_class), {})
     )
     return server
-
-
-@serve.ingress()
-class PrefixIngress:
-    """Reads each request whole, keys it by prompt prefix, and forwards it to an engine."""
-
-    def __init__(self, engines: DeploymentHandle[Any], max_request_bytes: int, prefix_chars: int):
-        self.engines = engines.options(stream=True, method_name="forward")
-        self.max_request_bytes = max_request_bytes
-        self.prefix_chars = prefix_chars
-
-    def __serve_build_asgi_app__(self) -> Any:
-        """The ASGI app Serve's proxy sends every HTTP request to."""
-        return ForwardingApp(
-            self._batches, self.max_request_bytes, self.prefix_chars, replica_failure
-        )
-
-    async def _batches(self, request: ForwardedRequest) -> AsyncIterator[MessageBatch]:
-        response = cast("DeploymentResponseGenerator[MessageBatch]", self.engines.remote(request))
-        done = False
-        try:
-            async for batch in response:
-                yield batch
-            done = True
-        finally:
-            if not done:
-                response.cancel()  # type: ignore[no-untyped-call]  # NOTE: the replica's stream sees a disconnect and aborts
-
-
-def replica_failure(exc: BaseException) -> APIError:
-    """What a client is told when its request cannot be served by a replica.
-
-    Serve refusing it (every replica full and the handle's queue too) is a 429, like a
-    full engine; a replica that died or cannot be reached is a 503; both say when to retry.
-    """
-    if isinstance(exc, BackPressureError):
-        return APIError(
-            429,
-            "every replica is full; retry later",
-            type="rate_limit_error",
-            code="queue_full",
-            headers={"Retry-After": "1"},
-        )
-    if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
-        return APIError(
-            503,
-            f"the replica serving this request stopped ({type(exc).__name__}); retry",
-            type="server_error",
-            code="replica_failed",
-            headers={"Retry-After": "1"},
-        )
-    return APIError(
-        500,
-        f"the replica serving this request failed ({type(exc).__name__})",
-        type="server_error",
-        code="replica_error",
-    )
 
 
 def build_app(
@@ -318,20 +187,6 @@ def default_max_ongoing(config: EngineConfig) -> int:
     return config.max_num_seqs + (queued if queued is not None else config.max_num_seqs)
 
 
-def replica_config(config: EngineConfig, assigned_cpus: int | None) -> EngineConfig:
-    """``config`` as one replica runs it.
-
-    On CUDA, Ray shows each replica only its own GPU, as device 0. On a CPU, an engine
-    that would use every core uses the cores Ray assigned it, so replicas sharing a
-    machine do not oversubscribe it.
-    """
-    if config.device.startswith("cuda"):
-        return replace(config, device="cuda")
-    if config.num_threads is None and assigned_cpus:
-        return replace(config, num_threads=assigned_cpus)
-    return config
-
-
 def engine_load_policy(ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
     """Serve autoscaling on the engines' own load: queued plus running requests.
 
@@ -353,146 +208,3 @@ def _with_load_policy(autoscaling_config: Mapping[str, Any]) -> dict[str, Any]:
     config = dict(autoscaling_config)
     config.setdefault("policy", {"policy_function": engine_load_policy})
     return config
-
-
-def _assigned_cpus() -> int | None:
-    """The whole CPUs Ray assigned this replica, if any."""
-    resources = ray.get_runtime_context().get_assigned_resources()  # type: ignore[no-untyped-call]
-    cpus = resources.get("CPU")
-    return int(cpus) if cpus and cpus >= 1 else None
-
-
-def run(
-    app: serve.Application,
-    *,
-    host: str,
-    port: int,
-    name: str = "inlinelm",
-    dashboard: bool = False,
-) -> None:
-    """Serve ``app`` on ``host:port`` until interrupted (``inlinelm serve --ray``).
-
-    Ray is the cluster at ``RAY_ADDRESS`` when that is set (``ray start --head`` on a
-    machine, or KubeRay), else a new local instance on this machine. An interrupt, SIGINT
-    or SIGTERM (what systemd, Docker and Kubernetes send), deletes the app; a local
-    instance is then shut down with every process it started, a cluster's Serve is left
-    running (where a Serve already runs, its own HTTP address stands and ``host``/``port``
-    are not applied).
-
-    A local instance listens on loopback only, and runs Ray's dashboard (on 127.0.0.1)
-    only with ``dashboard``: anyone who reaches Ray's ports can run code in it. Ray picks
-    the address its processes listen on when it is imported, from
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (``inlinelm serve --ray`` sets it first); in
-    a process where Ray would listen on the network, a local instance is a
-    ``ConfigError``, not started.
-    """
-    local = not os.environ.get("RAY_ADDRESS")
-    if local:
-        check_loopback_ray()
-    stop = threading.Event()
-    previous = _stop_on_signals(stop)
-    try:
-        ray.init(**(local_ray_options(dashboard) if local else {}))
-        _stop_on_signals(stop)  # NOTE: ray.init sets a SIGTERM handler of its own
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(app, name=name, route_prefix="/", blocking=False)
-        # NOTE: serve.run can swallow the KeyboardInterrupt of a signal that lands while
-        # it waits for the app (it then served on, deaf to that signal): the event keeps it.
-        while not stop.wait(1.0):
-            pass
-    except KeyboardInterrupt:
-        pass
-    finally:
-        with _interrupts_ignored():
-            _stop_ray(name, local)
-        _restore_signals(previous)
-
-
-def local_ray_options(dashboard: bool) -> dict[str, Any]:
-    """``ray.init``'s options for a local instance: Ray's dashboard only when asked, and
-    then on 127.0.0.1."""
-    return {"include_dashboard": dashboard, "dashboard_host": "127.0.0.1"}
-
-
-def check_loopback_ray() -> None:
-    """A ``ConfigError`` unless a local Ray instance started now listens on loopback only
-    and keeps Ray's token authentication.
-
-    Ray Serve (2.60) opens one port per replica on every interface, whatever Ray's own
-    address (``ray/serve/_private/replica.py``: its inter-deployment gRPC server on
-    ``[::]:0``); it takes pickled calls, so only Ray's token (on by default for a local
-    instance) keeps others out, and ``RAY_AUTH_MODE`` may not turn it off.
-    """
-    address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]  # unannotated in ray
-    if not _is_loopback(address):
-        raise ConfigError(
-            f"a local Ray instance would listen on {address}, where anyone who reaches it "
-            "can run code; set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported "
-            "(inlinelm serve --ray does) for a loopback-only instance, or RAY_ADDRESS for a "
-            "cluster",
-            option="ray",
-        )
-    mode = os.environ.get("RAY_AUTH_MODE", "token")
-    if mode.lower() != "token":
-        raise ConfigError(
-            f"RAY_AUTH_MODE={mode}: Ray Serve's replicas take calls on every interface, and "
-            "without Ray's token anyone who reaches them can run code; unset RAY_AUTH_MODE",
-            option="ray",
-        )
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(address.strip("[]"))
-    except ValueError:
-        return address == "localhost"
-    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-    return (mapped or ip).is_loopback
-
-
-def _stop_ray(name: str, local: bool) -> None:
-    """Delete the app; with a local instance, shut Serve and Ray down (their processes end)."""
-    if not ray.is_initialized():
-        return
-    logger.info("stopping: %s", "shutting Ray down" if local else f"deleting the app {name!r}")
-    if local:
-        serve.shutdown()  # type: ignore[no-untyped-call]  # unannotated in ray
-    else:
-        serve.delete(name)
-    ray.shutdown()
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def _stop_on_signals(stop: threading.Event) -> dict[int, Any] | None:
-    """Make SIGINT and SIGTERM set ``stop`` and raise ``KeyboardInterrupt``; returns the old
-    handlers (None off the main thread, where handlers cannot be set)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum: int, frame: object) -> None:
-        stop.set()
-        raise KeyboardInterrupt
-
-    return {sig: signal.signal(sig, handler) for sig in _STOP_SIGNALS}
-
-
-def _restore_signals(previous: dict[int, Any] | None) -> None:
-    for sig, old in (previous or {}).items():
-        signal.signal(sig, old)
-
-
-@contextlib.contextmanager
-def _interrupts_ignored() -> Iterator[None]:
-    """SIGINT and SIGTERM ignored for the block: a second one must not cut Ray's shutdown
-    short and leave its processes running."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from inlinelm.errors import ConfigError
-from inlinelm.serve.ray import check_loopback_ray, local_ray_options
+from inlinelm.serve.ray_local import check_loopback_ray, local_ray_options
 from tests.serve.cli_process import WAIT_S, descendants, stop
 from tests.serve.ray_import import RAY_MARKS, ray
 from tests.test_cli import _wait_until_serving, serve_command
@@ -121,7 +121,7 @@ def test_a_signal_that_lands_while_serve_deploys_still_stops_the_server(
     """Ray Serve's ``run`` can swallow the ``KeyboardInterrupt`` of a signal that lands while
     it waits for the app (seen: a SIGINT right after the first answer, and the CLI served on
     for good); the signal must still stop the server once ``run`` returns."""
-    import inlinelm.serve.ray as serve_ray
+    import inlinelm.serve.ray_local as serve_ray
 
     calls: list[str] = []
 

@@ -17,10 +17,10 @@ from inlinelm.serve.ray import (
     EngineReplica,
     default_max_ongoing,
     engine_load_policy,
-    replica_config,
-    replica_failure,
     replica_resources,
 )
+from inlinelm.serve.ray_ingress import replica_failure
+from inlinelm.serve.ray_replica import replica_config
 from tests.runtime.helpers import echo_engine
 from tests.serve.cli_process import stop
 from tests.serve.ray_import import RAY_MARKS, ray

@@ -1,4 +1,5 @@
-"""Every error path over a real socket: 400, 413, 429, 503, and failures after the 200."""
+"""Every error path over a real socket: 400, 429, 503, and failures after the 200 (a body
+that is not JSON, or past max_request_bytes: test_body.py)."""
 
 from __future__ import annotations
 
@@ -84,35 +85,6 @@ def test_a_prompt_longer_than_the_context_is_a_400_before_any_stream(base_url: s
         f"{base_url}/v1/chat/completions", json={"messages": long_chat, "stream": True}, timeout=30
     )
     check_error(response, 400, param="messages")
-
-
-def test_bad_json_is_a_400(base_url: str) -> None:
-    for content in (b"{not json", b"\xff\xfe", b""):
-        response = httpx.post(
-            f"{base_url}/v1/chat/completions",
-            content=content,
-            headers={"content-type": "application/json"},
-        )
-        check_error(response, 400, code="invalid_json")
-
-
-def test_a_body_over_max_request_bytes_is_a_413(base_url: str) -> None:
-    big = json.dumps({"prompt": "x" * (5 * 1024 * 1024)}).encode()
-    check_error(
-        httpx.post(f"{base_url}/v1/completions", content=big, headers=JSON),
-        413,
-        code="request_too_large",
-    )
-
-    def chunked() -> Iterator[bytes]:  # no Content-Length: the limit is enforced as bytes arrive
-        for _ in range(6):
-            yield b" " * (1024 * 1024)
-
-    check_error(
-        httpx.post(f"{base_url}/v1/completions", content=chunked(), headers=JSON),
-        413,
-        code="request_too_large",
-    )
 
 
 @pytest.fixture(scope="module")

@@ -101,12 +101,6 @@ def test_null_means_default() -> None:
     assert parse_completion({"prompt": "x"}, LIMITS).params.max_tokens == 16  # OpenAI's
 
 
-def test_text_content_parts_are_joined() -> None:
-    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    request = parse_chat({"messages": [{"role": "user", "content": parts}]}, LIMITS)
-    assert request.messages == [{"role": "user", "content": "a\nb"}]
-
-
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -133,17 +127,6 @@ def test_text_content_parts_are_joined() -> None:
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"functions": [{}]}, "functions"),
         ({"temprature": 1}, "temprature"),
-        ({"messages": []}, "messages"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-        (
-            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-            "messages[0].content[0].type",
-        ),
-        (
-            {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]},
-            "messages[0].tool_calls",
-        ),
     ],
 )
 def test_chat_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:

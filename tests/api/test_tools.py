@@ -115,23 +115,6 @@ def test_forced_choices_carry_the_call_schema() -> None:
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "response_format",
         ),
-        ({"messages": [{"role": "tool", "content": "12 C"}]}, "messages[0].tool_call_id"),
-        (
-            {"messages": [{"role": "assistant", "content": None, "tool_calls": {}}]},
-            "messages[0].tool_calls",
-        ),
-        (
-            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}]},
-            "messages[0].tool_calls[0].function",
-        ),
-        (
-            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
-            "messages[0].tool_calls[0].function.arguments",
-        ),
-        (
-            {"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
-            "messages[0].tool_call_id",
-        ),
         (  # OpenAI's arguments are an object: a named string function came back as content
             {
                 "tools": [
@@ -151,43 +134,12 @@ def test_forced_choices_carry_the_call_schema() -> None:
             },
             "tools[0].function.parameters.$defs",
         ),
-        (
-            {"messages": [*USER, {"role": "tool", "content": "12 C", "tool_call_id": "call_9"}]},
-            "messages[1].tool_call_id",
-        ),
-        (
-            {
-                "messages": [
-                    *USER,
-                    {"role": "tool", "content": "early", "tool_call_id": "call_1"},
-                    {
-                        "role": "assistant",
-                        "tool_calls": [
-                            {"id": "call_1", "function": {"name": "f", "arguments": "{}"}}
-                        ],
-                    },
-                ]
-            },
-            "messages[1].tool_call_id",
-        ),
     ],
 )
 def test_malformed_tool_fields_are_a_400_naming_the_field(
     fields: dict[str, Any], param: str
 ) -> None:
     assert refused(chat(**fields)).param == param
-
-
-def test_tool_turns_pass_through() -> None:
-    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    messages = [
-        *USER,
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "content": "12 C", "tool_call_id": "call_1"},
-    ]
-    parsed = parse_chat(chat(messages=messages), LIMITS)
-    assert parsed.messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
-    assert parsed.messages[2] == {"role": "tool", "content": "12 C", "tool_call_id": "call_1"}
 
 
 def test_completions_take_no_tools(base_url: str) -> None:

@@ -15,19 +15,23 @@ import pytest
 
 from inlinelm.config import EngineConfig
 from inlinelm.gpu.echo_runner import EchoRunner
-from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.engine_core import AbortRequests, AddRequest, EngineCore, Shutdown
 from inlinelm.sched.output import EngineCoreOutputs, SchedulerOutput
 from inlinelm.sched.request import FinishReason, Request
 from inlinelm.sched.runner import ModelRunnerOutput
+from tests.sched.helpers import make_request as shared_make_request
 
 EOS = 2
 WAIT_S = 20.0
 
 
 def expected_echo(prompt: list[int], max_tokens: int) -> list[int]:
-    """The echo of ``prompt`` followed by EOS, cut at ``max_tokens``."""
-    return [*prompt, EOS][:max_tokens]
+    """What the echo runner answers ``prompt`` with (its own rule)."""
+    return EchoRunner.expected(prompt, max_tokens, eos_token_id=EOS)
+
+
+def make_request(request_id: str, prompt: list[int], **params: Any) -> Request:
+    return shared_make_request(request_id, prompt, eos_token_id=EOS, **params)
 
 
 class Sink:
@@ -115,10 +119,6 @@ def loop_mode(request: pytest.FixtureRequest) -> None:
 
 def make_config(**options: Any) -> EngineConfig:
     return EngineConfig(**{"runner": "echo", "async_scheduling": PIPELINED[0], **options})
-
-
-def make_request(request_id: str, prompt: list[int], **params: Any) -> Request:
-    return Request(request_id, prompt, SamplingParams(**params), eos_token_id=EOS)
 
 
 def start_core(runner: EchoRunner, sink: Sink, config: EngineConfig | None = None) -> EngineCore:

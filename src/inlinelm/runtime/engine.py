@@ -196,31 +196,28 @@ class Engine:
     @property
     def tokenizer(self) -> Any:
         """The model's tokenizer (a transformers tokenizer); available once started."""
-        return self._require_loaded().tokenizer
+        return self._submitter.require_loaded().tokenizer
 
     @property
     def max_model_len(self) -> int:
         """The longest sequence (prompt + output) the engine serves."""
-        return self._require_loaded().max_model_len
+        return self._submitter.require_loaded().max_model_len
 
     @property
     def model_name(self) -> str:
         """The served model id."""
-        return (
-            "default"
-            if self.config.model == "default"
-            else self.config.model.rstrip("/").split("/")[-1]
-        )
+        model = self.config.model
+        return "default" if model == "default" else model.rstrip("/").split("/")[-1]
 
     @property
     def num_kv_blocks(self) -> int:
         """Size of the KV block pool."""
-        return self._require_loaded().core.stats.num_kv_blocks
+        return self._submitter.require_loaded().core.stats.num_kv_blocks
 
     @property
     def num_free_kv_blocks(self) -> int:
         """Free KV blocks after the last engine step."""
-        return self._require_loaded().core.stats.num_free_blocks
+        return self._submitter.require_loaded().core.stats.num_free_blocks
 
     def stats(self) -> EngineStats:
         """Engine-wide numbers: queues, KV use, prefix-cache hit rate, histograms, coalescing,
@@ -307,7 +304,7 @@ class Engine:
         generation_config.json, else ``FALLBACK_SAMPLING`` (whose max_tokens is a chat's;
         a completion's is ``FALLBACK_COMPLETION_MAX_TOKENS``, 16). An unset ``max_tokens``
         is also cut to the room the prompt leaves in the context. Available once started."""
-        return SamplingParams(**self._require_loaded().admission.defaults(chat=chat))
+        return SamplingParams(**self._submitter.require_loaded().admission.defaults(chat=chat))
 
     def generate(
         self,
@@ -386,13 +383,6 @@ class Engine:
         """:meth:`detokenize` for several token-id lists at once: off the event loop when
         they hold more than ``max_inline_prompt_chars // 4`` ids together."""
         return await self._submitter.texts([list(ids) for ids in prompts])
-
-    def _require_loaded(self) -> LoadedEngine:
-        return self._submitter.require_loaded()
-
-    @property
-    def _loaded(self) -> LoadedEngine | None:
-        return self._handle.loaded
 
 
 def _shutdown(loaded: LoadedEngine) -> None:

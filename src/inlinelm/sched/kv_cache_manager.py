@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from inlinelm.config import EngineConfig
+from inlinelm.errors import ConfigError
 from inlinelm.sched.block_pool import ROOT_HASH, BlockPool, hash_block
 from inlinelm.sched.request import Request
 
@@ -147,3 +149,24 @@ class KVCacheManager:
     def _tokens(self, request: Request, index: int) -> list[int]:
         start = index * self.block_size
         return request.all_token_ids[start : start + self.block_size]
+
+
+def served_context_len(config: EngineConfig, num_kv_blocks: int) -> int:
+    """The config's ``max_model_len`` (as the loader resolved it) once a cache of
+    ``num_kv_blocks`` holds it and a step can take it whole where prefills are not chunked;
+    a config without one (a scheduler built outside the loader: tests, benchmarks) serves
+    as many tokens as the cache holds. A ``ConfigError`` names the option that does not fit."""
+    capacity = num_kv_blocks * config.block_size
+    max_model_len = config.max_model_len or capacity
+    if max_model_len > capacity:
+        raise ConfigError(
+            f"max_model_len {max_model_len} needs more KV blocks than the {num_kv_blocks} "
+            f"available ({capacity} tokens): lower max_model_len or give the KV cache more",
+            option="max_model_len",
+        )
+    if not config.enable_chunked_prefill and max_model_len > config.max_num_batched_tokens:
+        raise ConfigError(
+            "without chunked prefill, max_num_batched_tokens must be >= max_model_len",
+            option="max_num_batched_tokens",
+        )
+    return max_model_len

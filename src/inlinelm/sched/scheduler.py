@@ -29,8 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from inlinelm.config import EngineConfig
-from inlinelm.errors import ConfigError
-from inlinelm.sched.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from inlinelm.sched.kv_cache_manager import KVCacheManager, PrefixCacheStats, served_context_len
 from inlinelm.sched.output import EngineCoreOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from inlinelm.sched.request import FinishReason, Request, RequestStatus
 from inlinelm.sched.runner import ModelRunnerOutput
@@ -69,8 +68,7 @@ class Scheduler:
         self.kv_cache = KVCacheManager(
             num_kv_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
-        self.max_model_len = self._check_max_model_len(num_kv_blocks)
-        self._check_config()
+        self.max_model_len = served_context_len(config, num_kv_blocks)
         # A step never holds more sequences than tokens, so every running request gets a
         # token each step and none is starved by the budget.
         self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
@@ -380,32 +378,6 @@ class Scheduler:
         if self._finished_since_drop:
             self._finished_since_drop = False
             self.running = [r for r in self.running if not r.is_finished]
-
-    # -- config ----------------------------------------------------------------------
-
-    def _check_max_model_len(self, num_kv_blocks: int) -> int:
-        """The config's ``max_model_len``, as the loader resolved it, once the KV cache
-        holds it; a config without one (a scheduler built outside the loader: tests,
-        benchmarks) serves as many tokens as the cache holds."""
-        capacity = num_kv_blocks * self.config.block_size
-        max_model_len = self.config.max_model_len or capacity
-        if max_model_len > capacity:
-            raise ConfigError(
-                f"max_model_len {max_model_len} needs more KV blocks than the {num_kv_blocks} "
-                f"available ({capacity} tokens): lower max_model_len or give the KV cache more",
-                option="max_model_len",
-            )
-        return max_model_len
-
-    def _check_config(self) -> None:
-        if (
-            not self.config.enable_chunked_prefill
-            and self.max_model_len > self.config.max_num_batched_tokens
-        ):
-            raise ConfigError(
-                "without chunked prefill, max_num_batched_tokens must be >= max_model_len",
-                option="max_num_batched_tokens",
-            )
 
 
 def _reaches_max_tokens(request: Request, pending: int) -> bool:

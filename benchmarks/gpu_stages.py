@@ -353,7 +353,7 @@ def warm_shape(heads: int, kv_heads: int, head_dim: int) -> dict[str, float]:
     import torch
 
     from inlinelm.gpu.attention.flashinfer_backend import FlashInferAttention
-    from inlinelm.gpu.attention.metadata import AttentionMetadata
+    from inlinelm.gpu.attention.metadata import AttentionMetadata, LayerAttention
 
     device, dtype, page = torch.device("cuda"), torch.bfloat16, 16
     backend = FlashInferAttention(heads, kv_heads, head_dim, dtype, device)
@@ -380,7 +380,7 @@ def warm_shape(heads: int, kv_heads: int, head_dim: int) -> dict[str, float]:
         t = sum(new)
         q = torch.randn(t, heads, head_dim, dtype=dtype, device=device)
         k = torch.randn(t, kv_heads, head_dim, dtype=dtype, device=device)
-        out = backend.forward(q, k, k.clone(), cache, meta)
+        out = backend.forward(q, k, k.clone(), cache, meta, LayerAttention(head_dim**-0.5))
         torch.cuda.synchronize()
         assert out.shape == (t, heads, head_dim) and bool(torch.isfinite(out).all())
         timings[f"{kind}_s"] = time.perf_counter() - t0

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inlinelm.gpu.attention.metadata import AttentionBackend, AttentionMetadata
+from inlinelm.gpu.attention.metadata import AttentionBackend, AttentionMetadata, LayerAttention
 
 CPU = torch.device("cpu")
 
@@ -109,12 +109,23 @@ def make_step(
 
 
 def run_backend(
-    backend: AttentionBackend, step: Step, block_size: int, *, host: bool = True
+    backend: AttentionBackend,
+    step: Step,
+    block_size: int,
+    *,
+    host: bool = True,
+    layer: LayerAttention | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prepare and run one layer of ``step`` on a copy of its cache: (output, cache after)."""
+    """Prepare and run one layer of ``step`` on a copy of its cache: (output, cache after);
+    ``layer`` defaults to plain attention at the usual ``head_dim ** -0.5`` scale."""
     device = step.q.device
     meta = step.metadata(device, host=host)
     backend.prepare(meta, block_size)
     cache = step.kv_cache.clone()
-    out = backend.forward(step.q, step.k, step.v, cache, meta)
+    out = backend.forward(step.q, step.k, step.v, cache, meta, layer or plain_layer(step.q))
     return out, cache
+
+
+def plain_layer(q: torch.Tensor) -> LayerAttention:
+    """Plain attention for queries ``q`` [..., D]: scale ``D ** -0.5``, no window, no cap."""
+    return LayerAttention(scale=q.shape[-1] ** -0.5)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inlinelm.gpu.attention.metadata import AttentionMetadata
+from inlinelm.gpu.attention.metadata import AttentionMetadata, LayerAttention
 from inlinelm.gpu.attention.page_table import PageTable, paged_kv_view, step_page_table
 from inlinelm.gpu.kv_cache import write_kv
 
@@ -24,7 +24,6 @@ class PageTableAttention:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Build the step's page table (see :func:`~inlinelm.gpu.attention.page_table.build_page_table`)."""
@@ -37,13 +36,15 @@ class PageTableAttention:
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        layer: LayerAttention,
     ) -> torch.Tensor:
-        """See :class:`~inlinelm.gpu.attention.metadata.AttentionBackend`."""
+        """See :class:`~inlinelm.gpu.attention.metadata.AttentionBackend` (``layer``'s scale
+        only: no window, no soft cap)."""
         table = meta.plan
         assert isinstance(table, PageTable)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         k_pages, v_pages = paged_kv_view(kv_cache, table.page_size)
-        return paged_attention(q, k_pages, v_pages, table, self.scale)
+        return paged_attention(q, k_pages, v_pages, table, layer.scale)
 
 
 def paged_attention(

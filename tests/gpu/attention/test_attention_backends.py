@@ -17,7 +17,7 @@ from inlinelm.gpu.attention.metadata import AttentionMetadata
 from inlinelm.gpu.attention.select import make_attention_backend, select_attention_backend
 from inlinelm.gpu.attention.torch_backend import TorchAttention
 from tests.gpu.attention.page_table_oracle import PageTableAttention
-from tests.gpu.paged_steps import Shape, make_step, run_backend
+from tests.gpu.paged_steps import Shape, make_step, plain_layer, run_backend
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 BF16 = torch.bfloat16
@@ -122,7 +122,7 @@ def test_flashinfer_glue_plans_once_and_matches_torch(
     for step in layers:
         expected, expected_cache = run_backend(TorchAttention(6, 2, 8), step, block_size)
         cache = step.kv_cache.clone()
-        out = backend.forward(step.q, step.k, step.v, cache, meta)
+        out = backend.forward(step.q, step.k, step.v, cache, meta, plain_layer(step.q))
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(cache, expected_cache)
     chosen = backend._prefill if planned == "prefill" else backend._decode
@@ -208,7 +208,7 @@ def test_flashinfer_equals_torch_backend_on_cuda(
     for step in layers:
         expected, expected_cache = run_backend(TorchAttention(*heads), step, block_size)
         cache = step.kv_cache.clone()
-        out = backend.forward(step.q, step.k, step.v, cache, meta)
+        out = backend.forward(step.q, step.k, step.v, cache, meta, plain_layer(step.q))
         assert out.shape == expected.shape and out.dtype == torch.bfloat16
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
         assert torch.equal(cache, expected_cache)
@@ -258,7 +258,8 @@ def test_flashinfer_decode_takes_the_strided_q_and_prefill_a_dense_one(decode: b
         max_seq_len=int(lens.max()) + 2,
         plan=_FlashInferPlan(table, wrapper),
     )
-    backend.forward(q, k, torch.randn_like(k), torch.zeros(2, 4 * page, kv_heads, dim), meta)
+    cache = torch.zeros(2, 4 * page, kv_heads, dim)
+    backend.forward(q, k, torch.randn_like(k), cache, meta, plain_layer(q))
     (got,) = wrapper.queries
     assert torch.equal(got, q)
     if decode:

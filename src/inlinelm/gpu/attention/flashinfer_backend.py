@@ -20,7 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from inlinelm.gpu.attention.metadata import AttentionMetadata, GraphPlan, IntArray
+from inlinelm.gpu.attention.metadata import (
+    AttentionMetadata,
+    GraphPlan,
+    IntArray,
+    LayerAttention,
+)
 from inlinelm.gpu.attention.page_table import (
     PageTable,
     PageTableArrays,
@@ -142,6 +147,7 @@ class FlashInferAttention:
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        layer: LayerAttention,
     ) -> torch.Tensor:
         """See :class:`~inlinelm.gpu.attention.metadata.AttentionBackend`."""
         plan = meta.plan

@@ -30,6 +30,22 @@ GraphPlan = Callable[[], None]
 is sent (it runs before each replay, never inside a capture)."""
 
 
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """What one layer's attention computes, beside the step's shared page table.
+
+    ``scale`` multiplies the query-key products; ``sliding_window`` (None: the whole
+    context) is how many keys a query sees, itself included: key ``j`` is visible to the
+    query at ``i`` when ``i - window < j <= i`` (transformers' sliding mask);
+    ``softcap`` (None: none) caps the scaled products at ``softcap * tanh(s / softcap)``
+    before the softmax (Gemma 2). Layers of one kind share one plan per step.
+    """
+
+    scale: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Per-step attention inputs, built once by the runner and passed to every layer.
@@ -67,8 +83,10 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        layer: LayerAttention,
     ) -> torch.Tensor:
-        """Write ``k``/``v`` [T, KVH, D] into ``kv_cache`` [2, slots, KVH, D]; return [T, H, D]."""
+        """Write ``k``/``v`` [T, KVH, D] into ``kv_cache`` [2, slots, KVH, D]; return [T, H, D],
+        attended as ``layer`` says."""
         ...
 
     def make_graph_attention(

@@ -12,13 +12,18 @@ runs eagerly, so the padding and buffer plumbing are tested without a GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inlinelm.gpu.attention.metadata import AttentionMetadata, GraphPlan, IntArray
+from inlinelm.gpu.attention.metadata import (
+    AttentionMetadata,
+    GraphPlan,
+    IntArray,
+    LayerAttention,
+)
 from inlinelm.gpu.kv_cache import write_kv
 from inlinelm.gpu.staging import HostStaging
 
@@ -42,7 +47,20 @@ class _DecodeGroup:
     token_index: torch.Tensor  # [Bd] rows of the flat batch
     block_tables: torch.Tensor  # [Bd, nb]
     key_mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] bool, None when all full
+    seq_lens: torch.Tensor  # [Bd] context lengths (device)
     serial: bool = False  # attend on one intra-op thread (see SERIAL_DECODE_MAX_KEYS)
+    windows: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its mask
+
+    def mask(self, window: int | None, num_keys: int) -> torch.Tensor | None:
+        """The key mask of a layer that sees ``window`` keys (None: all), made once per step."""
+        if window is None:
+            return self.key_mask
+        if window not in self.windows:
+            positions = torch.arange(num_keys, device=self.seq_lens.device).view(1, -1)
+            lens = self.seq_lens.view(-1, 1)
+            visible = (positions < lens) & (positions >= lens - window)
+            self.windows[window] = visible.view(len(self.seq_lens), 1, 1, -1)
+        return self.windows[window]
 
 
 @dataclass(slots=True)
@@ -54,6 +72,21 @@ class _Chunk:
     seq_len: int
     block_table: torch.Tensor  # [nb]
     mask: torch.Tensor | None  # [q, seq_len] bool; None means plain causal (no prefix)
+    windows: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def explicit_mask(self, window: int | None) -> torch.Tensor:
+        """The [q, seq_len] mask of a layer that sees ``window`` keys (None: all, causal),
+        made once per step."""
+        if window not in self.windows:
+            query_len = self.end - self.start
+            device = self.block_table.device
+            q_pos = torch.arange(self.seq_len - query_len, self.seq_len, device=device).view(-1, 1)
+            k_pos = torch.arange(self.seq_len, device=device).view(1, -1)
+            visible = k_pos <= q_pos
+            if window is not None:
+                visible &= k_pos > q_pos - window
+            self.windows[window] = visible
+        return self.windows[window]
 
 
 @dataclass(slots=True)
@@ -79,7 +112,6 @@ class TorchAttention:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Split the step into decode groups and prefill chunks."""
@@ -141,6 +173,7 @@ class TorchAttention:
             meta.query_start_loc[index],
             meta.block_tables[index, :num_blocks],
             key_mask,
+            meta.seq_lens[index],
             serial=len(lens) == 1 and num_blocks * block_size <= SERIAL_DECODE_MAX_KEYS,
         )
 
@@ -163,6 +196,7 @@ class TorchAttention:
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        layer: LayerAttention,
     ) -> torch.Tensor:
         """See :class:`AttentionBackend`."""
         plan = meta.plan
@@ -170,28 +204,37 @@ class TorchAttention:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         blocks = kv_cache.view(2, -1, plan.block_size, self.num_kv_heads, self.head_dim)
         if plan.whole:  # a decode-only step (the common case): no gather of q, no scatter
-            return self._attend_decode(q, blocks, plan.decode[0])
+            return self._attend_decode(q, blocks, plan.decode[0], layer)
         out = torch.empty_like(q)
         for group in plan.decode:
-            out[group.token_index] = self._attend_decode(q[group.token_index], blocks, group)
+            rows = group.token_index
+            out[rows] = self._attend_decode(q[rows], blocks, group, layer)
         for chunk in plan.chunks:
-            self._attend_chunk(q, blocks, chunk, out)
+            self._attend_chunk(q, blocks, chunk, out, layer)
         return out
 
     def _attend_decode(
-        self, queries: torch.Tensor, blocks: torch.Tensor, group: _DecodeGroup
+        self,
+        queries: torch.Tensor,
+        blocks: torch.Tensor,
+        group: _DecodeGroup,
+        layer: LayerAttention,
     ) -> torch.Tensor:
         """Attention of one decode group; ``queries`` are its rows [Bd, H, D]."""
         if group.serial and (threads := torch.get_num_threads()) > 1:
             torch.set_num_threads(1)
             try:
-                return self._decode_sdpa(queries, blocks, group)
+                return self._decode_sdpa(queries, blocks, group, layer)
             finally:
                 torch.set_num_threads(threads)
-        return self._decode_sdpa(queries, blocks, group)
+        return self._decode_sdpa(queries, blocks, group, layer)
 
     def _decode_sdpa(
-        self, queries: torch.Tensor, blocks: torch.Tensor, group: _DecodeGroup
+        self,
+        queries: torch.Tensor,
+        blocks: torch.Tensor,
+        group: _DecodeGroup,
+        layer: LayerAttention,
     ) -> torch.Tensor:
         count = queries.shape[0]
         keys = (
@@ -204,18 +247,17 @@ class TorchAttention:
             .view(count, -1, self.num_kv_heads, self.head_dim)
             .transpose(1, 2)
         )
-        result = F.scaled_dot_product_attention(
-            queries.unsqueeze(2),  # [Bd, H, 1, D]
-            keys,
-            values,
-            attn_mask=group.key_mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
+        mask = group.mask(layer.sliding_window, keys.shape[2])
+        result = attend(queries.unsqueeze(2), keys, values, mask, layer)  # [Bd, H, 1, D]
         return result.squeeze(2)
 
     def _attend_chunk(
-        self, q: torch.Tensor, blocks: torch.Tensor, chunk: _Chunk, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        blocks: torch.Tensor,
+        chunk: _Chunk,
+        out: torch.Tensor,
+        layer: LayerAttention,
     ) -> None:
         keys = blocks[0][chunk.block_table].view(1, -1, self.num_kv_heads, self.head_dim)[
             :, : chunk.seq_len
@@ -224,15 +266,20 @@ class TorchAttention:
             :, : chunk.seq_len
         ]
         queries = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        result = F.scaled_dot_product_attention(
-            queries,
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=self.scale,
-            enable_gqa=True,
-        )
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        if layer.sliding_window is None and layer.softcap is None:
+            result = F.scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                attn_mask=chunk.mask,
+                is_causal=chunk.mask is None,
+                scale=layer.scale,
+                enable_gqa=True,
+            )
+        else:
+            mask = chunk.explicit_mask(layer.sliding_window)
+            result = attend(queries, keys, values, mask, layer)
         out[chunk.start : chunk.end] = result[0].transpose(0, 1)
 
     def make_graph_attention(
@@ -284,7 +331,7 @@ class TorchGraphAttention:
         seq_lens, tables = self.seq_lens[:size], self.block_tables[:size]
         # NOTE: computed from the static lengths inside the graph, so each replay masks anew.
         key_mask = (self.key_positions.view(1, -1) < seq_lens.view(-1, 1)).view(size, 1, 1, -1)
-        group = _DecodeGroup(self.rows[:size], tables, key_mask)
+        group = _DecodeGroup(self.rows[:size], tables, key_mask, seq_lens)
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=self.rows[: size + 1],
@@ -297,6 +344,35 @@ class TorchGraphAttention:
 
     def close(self) -> None:
         """See :class:`~inlinelm.gpu.attention.metadata.GraphAttention`."""
+
+
+def attend(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    layer: LayerAttention,
+) -> torch.Tensor:
+    """``layer``'s attention of ``queries`` [B, H, q, D] over ``keys``/``values``
+    [B, KVH, k, D] where ``mask`` (broadcast to [B, H, q, k]; None: all) is True.
+
+    Without a soft cap it is torch's SDPA; with one, the eager computation transformers
+    runs (scaled products, ``cap * tanh(s / cap)``, the mask, a float32 softmax), which
+    SDPA cannot express.
+    """
+    if layer.softcap is None:
+        return F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=True
+        )
+    group = queries.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * layer.scale
+    scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
+    return torch.matmul(weights, values)
 
 
 def _decode_order(meta: AttentionMetadata) -> torch.Tensor:

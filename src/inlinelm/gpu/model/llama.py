@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from inlinelm.gpu.attention.metadata import AttentionBackend, AttentionMetadata
+from inlinelm.gpu.attention.metadata import AttentionBackend, AttentionMetadata, LayerAttention
 from inlinelm.gpu.model.config import ModelConfig, RopeConfig
 from inlinelm.gpu.model.kernels import Kernels, RopeInputs, TorchKernels
 
@@ -155,6 +155,7 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.backend = backend
+        self.layer = LayerAttention(scale=cfg.head_dim**-0.5)
         self.kernels = kernels
 
     def forward(
@@ -170,7 +171,7 @@ class Attention(nn.Module):
         qk = self.kernels.apply_rope(qk, self.num_heads, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, meta)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.layer)
         result: torch.Tensor = self.o_proj(out.reshape(-1, self.q_size))
         return result
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from inlinelm.gpu.model.config import ModelConfig, RopeConfig
+from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.kernels import FlashInferKernels, Kernels, TorchKernels, make_kernels
 from inlinelm.gpu.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from inlinelm.gpu.model.rope import RopeConfig
 from tests.gpu.reference import PROMPTS, load_ours, prefill_logits
 
 

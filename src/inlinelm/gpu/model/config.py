@@ -3,36 +3,18 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from inlinelm.errors import ModelLoadError
+from inlinelm.gpu.model.fields import ConfigFields, show
+from inlinelm.gpu.model.rope import RopeConfig, parse_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 """The ``architectures`` entries of a config we run (a checkpoint of another head, such as
 a classifier or an encoder, holds other tensors)."""
-_SUPPORTED_ROPE = ("default", "llama3")
-_LLAMA3_ROPE_KEYS = (
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-)
-
-
-@dataclass(frozen=True, slots=True)
-class RopeConfig:
-    """Rotary embedding settings; ``rope_type`` is ``default`` or ``llama3``."""
-
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +65,7 @@ class ModelConfig:
 
 def parse_config(raw: dict[str, Any], path: str) -> ModelConfig:
     """Check a parsed config.json (``path`` names it in errors) and build the ModelConfig."""
-    fields = _Fields(raw, path)
+    fields = ConfigFields(raw, path)
     model_type = _model_type(fields)
     hidden = fields.positive_int("hidden_size")
     heads = fields.positive_int("num_attention_heads")
@@ -100,92 +82,34 @@ def parse_config(raw: dict[str, Any], path: str) -> ModelConfig:
         max_position_embeddings=fields.positive_int("max_position_embeddings", 2048),
         tie_word_embeddings=fields.boolean("tie_word_embeddings", False),
         attention_bias=model_type == "qwen2" or fields.boolean("attention_bias", False),
-        rope=_rope(fields),
+        rope=parse_rope(fields),
         eos_token_ids=_eos(fields),
         sliding_window=_sliding_window(fields, model_type),
     )
 
 
-class _Fields:
-    """Typed reads of config.json fields; each raises ``ModelLoadError`` naming the field."""
-
-    def __init__(self, raw: dict[str, Any], path: str) -> None:
-        self.raw = raw
-        self.path = path
-
-    def error(self, name: str, message: str) -> ModelLoadError:
-        return ModelLoadError(message, path=self.path, field=name)
-
-    def positive_int(self, name: str, default: int | None = None) -> int:
-        """A positive integer; ``default`` when absent or null (required when None)."""
-        value = self.raw.get(name)
-        if value is None and default is not None:
-            return default
-        # NOTE: bool is an int subclass; `true` is not a size.
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise self.error(
-                name, f"missing or invalid {name}: {_show(value)} (a positive integer)"
-            )
-        return value
-
-    def positive_number(
-        self, name: str, default: float, table: dict[str, Any] | None = None
-    ) -> float:
-        """A positive finite number from the config (or from ``table`` inside it);
-        ``default`` when absent or null."""
-        value = (self.raw if table is None else table).get(name)
-        if value is None:
-            return default
-        if (
-            not isinstance(value, int | float)
-            or isinstance(value, bool)
-            or (isinstance(value, float) and not math.isfinite(value))
-            or value <= 0
-        ):
-            raise self.error(name, f"invalid {name}: {_show(value)} (a positive number)")
-        return float(value)
-
-    def boolean(self, name: str, default: bool) -> bool:
-        """True or false; ``default`` when absent or null."""
-        value = self.raw.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self.error(name, f"invalid {name}: {_show(value)} (true or false)")
-        return value
-
-    def table(self, name: str) -> dict[str, Any]:
-        """A nested object; empty when absent or null."""
-        value = self.raw.get(name)
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise self.error(name, f"invalid {name}: {_show(value)} (an object)")
-        return value
-
-
-def _model_type(fields: _Fields) -> str:
+def _model_type(fields: ConfigFields) -> str:
     model_type = fields.raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise fields.error(
             "model_type",
-            f"unsupported architecture {_show(model_type)}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
+            f"unsupported architecture {show(model_type)}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
         )
     architectures = fields.raw.get("architectures")
     if architectures is None:
         return str(model_type)
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
-        raise fields.error("architectures", f"invalid architectures: {_show(architectures)}")
+        raise fields.error("architectures", f"invalid architectures: {show(architectures)}")
     if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
         raise fields.error(
             "architectures",
-            f"unsupported architectures {_show(architectures)}; inlinelm runs causal LMs: "
+            f"unsupported architectures {show(architectures)}; inlinelm runs causal LMs: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}",
         )
     return str(model_type)
 
 
-def _num_kv_heads(fields: _Fields, heads: int) -> int:
+def _num_kv_heads(fields: ConfigFields, heads: int) -> int:
     num_kv_heads = fields.positive_int("num_key_value_heads", heads)
     if heads % num_kv_heads:
         raise fields.error(
@@ -195,7 +119,7 @@ def _num_kv_heads(fields: _Fields, heads: int) -> int:
     return num_kv_heads
 
 
-def _head_dim(fields: _Fields, hidden: int, heads: int) -> int:
+def _head_dim(fields: ConfigFields, hidden: int, heads: int) -> int:
     """``head_dim`` when given, else hidden_size / num_attention_heads; even (RoPE rotates
     pairs of dimensions)."""
     if fields.raw.get("head_dim") is not None:
@@ -213,55 +137,20 @@ def _head_dim(fields: _Fields, hidden: int, heads: int) -> int:
     return head_dim
 
 
-def _rope(fields: _Fields) -> RopeConfig:
-    # transformers 5 writes rope_parameters; older configs write rope_theta + rope_scaling.
-    source = "rope_parameters" if fields.raw.get("rope_parameters") else "rope_scaling"
-    merged = {**fields.table("rope_scaling"), **fields.table("rope_parameters")}
-    theta_table = merged if "rope_theta" in merged else None
-    theta = fields.positive_number("rope_theta", 10000.0, theta_table)
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
-    if rope_type not in _SUPPORTED_ROPE:
-        raise fields.error(
-            source,
-            f"unsupported RoPE scaling type {_show(rope_type)}; supported: {', '.join(_SUPPORTED_ROPE)}",
-        )
-    if rope_type == "default":
-        return RopeConfig(theta=theta)
-    for key in _LLAMA3_ROPE_KEYS:
-        if key not in merged:
-            raise fields.error(f"{source}.{key}", f"llama3 RoPE scaling needs {key}")
-    return RopeConfig(
-        theta=theta,
-        rope_type="llama3",
-        factor=fields.positive_number("factor", 1.0, merged),
-        low_freq_factor=fields.positive_number("low_freq_factor", 1.0, merged),
-        high_freq_factor=fields.positive_number("high_freq_factor", 4.0, merged),
-        original_max_position_embeddings=int(
-            fields.positive_number("original_max_position_embeddings", 8192, merged)
-        ),
-    )
-
-
-def _eos(fields: _Fields) -> tuple[int, ...]:
+def _eos(fields: ConfigFields) -> tuple[int, ...]:
     value = fields.raw.get("eos_token_id")
     if value is None:
         return ()
     ids = value if isinstance(value, list) else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise fields.error("eos_token_id", f"invalid eos_token_id: {_show(value)} (token ids)")
+        raise fields.error("eos_token_id", f"invalid eos_token_id: {show(value)} (token ids)")
     return tuple(ids)
 
 
-def _sliding_window(fields: _Fields, model_type: str) -> int | None:
+def _sliding_window(fields: ConfigFields, model_type: str) -> int | None:
     window = fields.raw.get("sliding_window")
     if model_type == "qwen2" and not fields.boolean("use_sliding_window", False):
         return None
     return (
         window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
     )
-
-
-def _show(value: object) -> str:
-    """``repr(value)``, cut short: a hostile config can hold a megabyte in one field."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:77]}..."

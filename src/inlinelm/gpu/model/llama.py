@@ -9,14 +9,13 @@ through the :class:`~inlinelm.gpu.model.kernels.Kernels` chosen when the model i
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from inlinelm.gpu.attention.metadata import AttentionBackend, AttentionMetadata, LayerAttention
-from inlinelm.gpu.model.config import ModelConfig, RopeConfig
+from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.kernels import Kernels, RopeInputs, TorchKernels
+from inlinelm.gpu.model.rope import RopeConfig, cos_sin_cache
 
 
 class Linear(nn.Module):
@@ -113,31 +112,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        inv_freq = _inv_freq(rope, head_dim)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
         self.cos_sin_cache: torch.Tensor
         self.register_buffer(
-            "cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False
+            "cos_sin_cache", cos_sin_cache(rope, head_dim, max_positions), persistent=False
         )
-
-
-def _inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.rope_type != "llama3":
-        return inv_freq
-    old_len = rope.original_max_position_embeddings
-    low_wavelen = old_len / rope.low_freq_factor
-    high_wavelen = old_len / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,70 @@
+"""Typed reads of a model's config.json fields; each error names the file and the field."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from inlinelm.errors import ModelLoadError
+
+
+class ConfigFields:
+    """Typed reads of config.json fields; each raises ``ModelLoadError`` naming the field."""
+
+    def __init__(self, raw: dict[str, Any], path: str) -> None:
+        self.raw = raw
+        self.path = path
+
+    def error(self, name: str, message: str) -> ModelLoadError:
+        return ModelLoadError(message, path=self.path, field=name)
+
+    def positive_int(self, name: str, default: int | None = None) -> int:
+        """A positive integer; ``default`` when absent or null (required when None)."""
+        value = self.raw.get(name)
+        if value is None and default is not None:
+            return default
+        # NOTE: bool is an int subclass; `true` is not a size.
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise self.error(name, f"missing or invalid {name}: {show(value)} (a positive integer)")
+        return value
+
+    def positive_number(
+        self, name: str, default: float, table: dict[str, Any] | None = None
+    ) -> float:
+        """A positive finite number from the config (or from ``table`` inside it);
+        ``default`` when absent or null."""
+        value = (self.raw if table is None else table).get(name)
+        if value is None:
+            return default
+        if (
+            not isinstance(value, int | float)
+            or isinstance(value, bool)
+            or (isinstance(value, float) and not math.isfinite(value))
+            or value <= 0
+        ):
+            raise self.error(name, f"invalid {name}: {show(value)} (a positive number)")
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        """True or false; ``default`` when absent or null."""
+        value = self.raw.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.error(name, f"invalid {name}: {show(value)} (true or false)")
+        return value
+
+    def table(self, name: str) -> dict[str, Any]:
+        """A nested object; empty when absent or null."""
+        value = self.raw.get(name)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self.error(name, f"invalid {name}: {show(value)} (an object)")
+        return value
+
+
+def show(value: object) -> str:
+    """``repr(value)``, cut short: a hostile config can hold a megabyte in one field."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."

@@ -19,12 +19,13 @@ t0 = time.perf_counter()
 from transformers import AutoTokenizer
 from inlinelm.gpu.attention.torch_backend import TorchAttention
 from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.model.registry import read_model_config
 from inlinelm.gpu.loading.model_files import resolve_model
 from inlinelm.gpu.loading.weights import load_model
 t1 = time.perf_counter()
 folder = resolve_model("default").folder
 t2 = time.perf_counter()
-cfg = ModelConfig.from_folder(folder)
+cfg = read_model_config(folder)
 load_model(folder, cfg, dtype=torch.float32, device=torch.device("cpu"),
            backend=TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), max_positions=cfg.max_position_embeddings)
 t3 = time.perf_counter()

@@ -49,9 +49,19 @@ def server_options_table() -> str:
     return _table(("flag", "default", "meaning"), rows)
 
 
+def architectures_table() -> str:
+    """A markdown table of the model families we run (see
+    :func:`inlinelm.gpu.model.registry.architecture_table`)."""
+    # NOTE: imported here: the registry imports torch, which the options tables do not need.
+    from inlinelm.gpu.model.registry import architecture_table
+
+    return architecture_table().strip()
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "options": engine_options_table,
     "server-options": server_options_table,
+    "architectures": architectures_table,
 }
 """Each marked README block and the function that renders it."""
 
@@ -83,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     commands.add_parser("options", help="print the engine options table")
     commands.add_parser("server-options", help="print the server flags table")
+    commands.add_parser("architectures", help="print the supported architectures table")
     readme = commands.add_parser("readme", help="rewrite the README's generated tables")
     readme.add_argument("path", nargs="?", default="README.md")
     readme.add_argument("--check", action="store_true", help="exit 1 when the tables are stale")

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from inlinelm.gpu.model.llama import LlamaForCausalLM
+from inlinelm.gpu.model.models.decoder import DecoderModel
 from tests.gpu.fakes import fake_flashinfer_module
 from tests.gpu.reference import PROMPTS, load_ours, load_reference, reference_greedy
 
 REFERENCE_NEW_TOKENS = 32
 GreedyReference = Callable[[Path], list[list[int]]]
-OursModel = Callable[[Path], LlamaForCausalLM]
+OursModel = Callable[[Path], DecoderModel]
 ReferenceModel = Callable[[Path], Any]
 
 

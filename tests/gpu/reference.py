@@ -12,7 +12,8 @@ from inlinelm.gpu.attention.metadata import AttentionMetadata
 from inlinelm.gpu.attention.torch_backend import TorchAttention
 from inlinelm.gpu.loading.weights import load_model
 from inlinelm.gpu.model.config import ModelConfig
-from inlinelm.gpu.model.llama import LlamaForCausalLM
+from inlinelm.gpu.model.models.decoder import DecoderModel
+from inlinelm.gpu.model.registry import read_model_config
 
 BLOCK_SIZE = 16
 PROMPTS = [
@@ -24,8 +25,8 @@ PROMPTS = [
 ]
 
 
-def load_ours(folder: Path) -> LlamaForCausalLM:
-    cfg = ModelConfig.from_folder(folder)
+def load_ours(folder: Path) -> DecoderModel:
+    cfg = read_model_config(folder)
     backend = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     return load_model(
         folder,
@@ -67,7 +68,7 @@ def load_reference(folder: Path) -> Any:
 class PagedGreedyDriver:
     """A minimal stand-in for the scheduler: chunked prefill and decode of many sequences in one batch."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 256) -> None:
+    def __init__(self, model: DecoderModel, num_blocks: int = 256) -> None:
         cfg = model.config
         self.model = model
         self.caches = [
@@ -140,7 +141,7 @@ class PagedGreedyDriver:
         return {live[k]: int(t) for k, t in zip(samples, logits.argmax(-1).tolist(), strict=True)}
 
 
-def prefill_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+def prefill_logits(model: DecoderModel, ids: list[int]) -> torch.Tensor:
     driver = PagedGreedyDriver(model)
     n = len(ids)
     table = list(range(-(-n // BLOCK_SIZE)))

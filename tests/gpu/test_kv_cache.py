@@ -26,7 +26,7 @@ from inlinelm.gpu.kv_cache import (
     kv_cache_spec,
     write_kv,
 )
-from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.model.registry import read_model_config
 from inlinelm.gpu.model_memory import weight_bytes
 
 MiB, GiB = 2**20, 2**30
@@ -46,7 +46,7 @@ def test_a_gpu_without_room_for_the_cache_is_a_clear_error() -> None:
 
 
 def test_spec_on_a_gpu_turns_the_budget_into_blocks(tiny_model_dir: Path) -> None:
-    cfg = ModelConfig.from_folder(tiny_model_dir)
+    cfg = read_model_config(tiny_model_dir)
     config = EngineConfig(device="cuda", gpu_memory_utilization=0.5, cuda_graph_memory_bytes=0)
     per_block = bytes_per_block(cfg, config.block_size, torch.bfloat16)
     use = GpuMemoryUse(free_at_start=4 * GiB, used=1 * GiB, peak_activations=256 * MiB)
@@ -60,7 +60,7 @@ def test_spec_on_a_gpu_turns_the_budget_into_blocks(tiny_model_dir: Path) -> Non
 
 
 def test_the_graph_reserve_is_kept_only_when_graphs_are_captured(tiny_model_dir: Path) -> None:
-    cfg = ModelConfig.from_folder(tiny_model_dir)
+    cfg = read_model_config(tiny_model_dir)
     use = GpuMemoryUse(free_at_start=4 * GiB, used=1 * GiB, peak_activations=256 * MiB)
     graphs = EngineConfig(device="cuda", cuda_graph_memory_bytes=512 * MiB)
     eager = graphs.with_options(enforce_eager=True)
@@ -74,7 +74,7 @@ def test_the_graph_reserve_is_kept_only_when_graphs_are_captured(tiny_model_dir:
 
 
 def test_explicit_sizes_win_over_the_measurement(tiny_model_dir: Path) -> None:
-    cfg = ModelConfig.from_folder(tiny_model_dir)
+    cfg = read_model_config(tiny_model_dir)
     use = GpuMemoryUse(free_at_start=4 * GiB, used=1 * GiB, peak_activations=0)
     blocks = EngineConfig(device="cuda", num_kv_blocks=77)
     assert kv_cache_spec(blocks, cfg, 2048, torch.bfloat16, use).num_blocks == 77
@@ -88,14 +88,14 @@ ROOMY = HostMemory(weights=2**40, left=None)
 
 
 def test_bytes_per_token_is_k_and_v_of_every_layer(tiny_model_dir: Path) -> None:
-    cfg = ModelConfig.from_folder(tiny_model_dir)  # 2 layers, 2 KV heads, head dim 16
+    cfg = read_model_config(tiny_model_dir)  # 2 layers, 2 KV heads, head dim 16
     assert bytes_per_token(cfg, torch.float32) == 2 * 2 * 2 * 16 * 4 == 512
     assert bytes_per_token(cfg, torch.bfloat16) == 256
     assert bytes_per_block(cfg, 16, torch.float32) == 16 * 512
 
 
 def test_cpu_default_is_max_num_seqs_sequences_of_a_typical_length(tiny_model_dir: Path) -> None:
-    cfg = ModelConfig.from_folder(tiny_model_dir)
+    cfg = read_model_config(tiny_model_dir)
     short = kv_cache_spec(EngineConfig(max_num_seqs=4), cfg, 160, torch.float32, host=ROOMY)
     assert short.num_blocks == 4 * 160 // 16
     long = kv_cache_spec(EngineConfig(max_num_seqs=4), cfg, 4096, torch.float32, host=ROOMY)
@@ -106,7 +106,7 @@ def test_cpu_default_is_max_num_seqs_sequences_of_a_typical_length(tiny_model_di
 def test_cpu_default_is_bounded_by_the_weights_and_half_the_memory_left(
     tiny_model_dir: Path,
 ) -> None:
-    cfg = ModelConfig.from_folder(tiny_model_dir)
+    cfg = read_model_config(tiny_model_dir)
     config = EngineConfig(max_num_seqs=256)
     per_block = bytes_per_block(cfg, 16, torch.float32)
     weights = HostMemory(weights=600 * per_block + 5, left=None)
@@ -129,7 +129,7 @@ def test_an_engine_sizes_its_cpu_cache_to_the_model_and_logs_why(
     engine = Engine(model=str(tiny_model_dir), num_threads=1)  # max_num_seqs 256
     try:
         engine.start_sync()
-        cfg = ModelConfig.from_folder(tiny_model_dir)
+        cfg = read_model_config(tiny_model_dir)
         per_block = bytes_per_block(cfg, 16, torch.float32)
         # 256 x 2048 tokens x 512 B would be 256 MiB: the ~25 MiB of weights bound it.
         num_blocks = engine.num_kv_blocks
@@ -146,7 +146,7 @@ def test_an_engine_sizes_its_cpu_cache_to_the_model_and_logs_why(
 
 
 def test_an_explicit_size_is_given_as_text_and_named_in_the_reason(tiny_model_dir: Path) -> None:
-    cfg = ModelConfig.from_folder(tiny_model_dir)
+    cfg = read_model_config(tiny_model_dir)
     spec = kv_cache_spec(EngineConfig(kv_cache_bytes="4MiB"), cfg, 2048, torch.float32)
     assert spec.num_blocks == 4 * 2**20 // (16 * 512)
     assert spec.reason == "kv_cache_bytes='4MiB'"
@@ -161,7 +161,7 @@ def _resident_bytes() -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads Linux's VmRSS")
 def test_a_cpu_cache_takes_memory_only_as_it_is_written(tiny_model_dir: Path) -> None:
-    cfg = ModelConfig.from_folder(tiny_model_dir)
+    cfg = read_model_config(tiny_model_dir)
     num_blocks = 64 * 2**20 // bytes_per_block(cfg, 16, torch.float32)  # 64 MiB
     before = _resident_bytes()
     caches = allocate_kv_cache(num_blocks, 16, cfg, torch.float32, torch.device("cpu"))

@@ -15,8 +15,9 @@ from inlinelm import Engine
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError, ModelLoadError
 from inlinelm.gpu.attention.torch_backend import TorchAttention
-from inlinelm.gpu.model.config import ModelConfig, parse_config
-from inlinelm.gpu.model.llama import LlamaForCausalLM
+from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.model.models.decoder import DecoderModel
+from inlinelm.gpu.model.registry import parse_config, read_model_config
 from inlinelm.gpu.model_memory import (
     MemoryPart,
     check_fits,
@@ -56,7 +57,7 @@ def test_the_estimate_is_what_the_model_holds(variant: dict[str, Any]) -> None:
     cfg = _config(**variant)
     with torch.device("meta"):
         backend = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        model = LlamaForCausalLM(cfg, backend, max_positions=cfg.max_position_embeddings)
+        model = DecoderModel(cfg, backend, max_positions=cfg.max_position_embeddings)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     rotary = model.rotary.cos_sin_cache
     parts = _parts(cfg)
@@ -160,7 +161,7 @@ def _start_generate_close(folder: Path, kv_cache_bytes: int) -> tuple[int, int]:
 def test_an_engine_holds_its_weights_not_its_whole_cache_and_gives_both_back(
     deep_model_dir: Path,
 ) -> None:
-    cfg = ModelConfig.from_folder(deep_model_dir)
+    cfg = read_model_config(deep_model_dir)
     weights = weight_bytes(cfg, torch.float32)
     kv_cache_bytes = 4 * weights
     # NOTE: a first engine pays what a process pays once (imports, kernels, tokenizer caches).

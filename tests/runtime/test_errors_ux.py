@@ -12,7 +12,7 @@ import torch
 from inlinelm import ConfigError, Engine, RequestError, SamplingParams
 from inlinelm.config import EngineConfig
 from inlinelm.gpu.kv_cache import kv_cache_spec
-from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.model.registry import read_model_config
 from inlinelm.runtime.loader import check_device
 from tests.runtime.helpers import echo_engine, run
 
@@ -44,7 +44,7 @@ def test_cuda_on_a_cpu_only_torch_says_what_is_available(tiny_model_dir: Path) -
 
 
 def test_a_kv_budget_below_one_sequence_names_the_options(tiny_model_dir: Path) -> None:
-    cfg = ModelConfig.from_folder(tiny_model_dir)
+    cfg = read_model_config(tiny_model_dir)
     config = EngineConfig(kv_cache_bytes=64 * 1024)
     with pytest.raises(ConfigError) as info:
         kv_cache_spec(config, cfg, max_model_len=2048, dtype=torch.float32)

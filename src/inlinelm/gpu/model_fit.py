@@ -12,6 +12,7 @@ from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.kv_cache import KVCacheSpec
 from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.model.registry import read_model_config
 from inlinelm.gpu.model_memory import check_model_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -21,8 +22,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     """The context length served: the engine option, capped by the model's own limits."""
     limit = cfg.max_position_embeddings
-    if cfg.sliding_window is not None:
-        limit = min(limit, cfg.sliding_window)
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
@@ -51,7 +50,7 @@ def check_model_fits(config: EngineConfig, folder: Path) -> ModelFit:
     Raises ``ModelLoadError`` for a bad config.json or a model too big for the memory
     (naming the field), ``ConfigError`` for an engine option that does not fit.
     """
-    cfg = ModelConfig.from_folder(folder)
+    cfg = read_model_config(folder)
     max_model_len = resolve_max_model_len(config, cfg)
     kv_spec = check_model_memory(
         config, cfg, max_model_len, DTYPES[config.model_dtype], folder / "config.json"

@@ -24,6 +24,7 @@ engine option (``ConfigError``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +33,11 @@ import torch
 
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError, ModelLoadError
+from inlinelm.gpu.attention.torch_backend import TorchAttention
 from inlinelm.gpu.kv_cache import HostMemory, KVCacheSpec, kv_cache_spec
 from inlinelm.gpu.kv_cache import format_bytes as format_bytes  # re-exported: its old home
 from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.model.registry import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -65,20 +68,20 @@ def memory_parts(
         MemoryPart(
             f"embedding and LM head: 2 x vocab_size {cfg.vocab_size} x hidden_size "
             f"{cfg.hidden_size}",
-            _embedding_params(cfg) * itemsize,
+            param_counts(cfg)[0] * itemsize,
             on_device=True,
             blame="vocab_size",
         ),
         MemoryPart(
             f"decoder layers: num_hidden_layers {cfg.num_layers} x "
-            f"{_layer_params(cfg) * itemsize / 2**20:.1f} MiB",
-            cfg.num_layers * _layer_params(cfg) * itemsize,
+            f"{param_counts(cfg)[1] / cfg.num_layers * itemsize / 2**20:.1f} MiB",
+            param_counts(cfg)[1] * itemsize,
             on_device=True,
             blame="num_hidden_layers",
         ),
         MemoryPart(
-            f"rotary table: {max_model_len} positions x head_dim {cfg.head_dim}",
-            max_model_len * cfg.head_dim * _FLOAT32,
+            f"rotary table: {max_model_len} positions x {cfg.rotated_dim} rotated dimensions",
+            (1 + (cfg.local_rope is not None)) * max_model_len * cfg.rotated_dim * _FLOAT32,
             on_device=True,
             blame=length_blame,
             is_option=length_is_option,
@@ -205,36 +208,30 @@ def _check_side(
     raise ModelLoadError(message + hint, path=str(config_path), field=largest.blame)
 
 
-_LENGTH_FIELDS = ("max_position_embeddings", "sliding_window")
+_LENGTH_FIELDS = ("max_position_embeddings",)
 
 
 def _length_field(cfg: ModelConfig) -> str:
     """The config.json field that set the context length (see ``resolve_max_model_len``)."""
-    window = cfg.sliding_window
-    if window is not None and window < cfg.max_position_embeddings:
-        return "sliding_window"
     return "max_position_embeddings"
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """The model's weights in ``dtype``: embedding, LM head, final norm and every layer."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return (_embedding_params(cfg) + cfg.num_layers * _layer_params(cfg)) * itemsize
+    return sum(param_counts(cfg)) * itemsize
 
 
-def _embedding_params(cfg: ModelConfig) -> int:
-    """Embedding and LM head (our model keeps its own even when the checkpoint ties it),
-    and the final norm."""
-    return 2 * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
-
-
-def _layer_params(cfg: ModelConfig) -> int:
-    """Parameters of one decoder layer: fused QKV (+ bias), output, fused gate/up, down,
-    and the two norms."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    qkv = cfg.hidden_size * (q + 2 * kv) + ((q + 2 * kv) if cfg.attention_bias else 0)
-    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-    return qkv + q * cfg.hidden_size + mlp + 2 * cfg.hidden_size
+@functools.cache
+def param_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """The parameters of ``cfg``'s model: (the embedding, the LM head (ours is its own even
+    when the checkpoint ties it) and the final norm; all decoder layers). Counted on a
+    model built on the meta device, so every family's layers count as they are."""
+    with torch.device("meta"):
+        backend = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        model = build_model(cfg, backend, 1, None)
+    layers = sum(p.numel() for p in model.layers.parameters())
+    return sum(p.numel() for p in model.parameters()) - layers, layers
 
 
 def return_free_heap() -> bool:

@@ -28,7 +28,7 @@ from inlinelm.gpu.kv_cache import (
 )
 from inlinelm.gpu.loading.weights import load_model
 from inlinelm.gpu.model.kernels import make_kernels
-from inlinelm.gpu.model.llama import LlamaForCausalLM
+from inlinelm.gpu.model.models.decoder import DecoderModel
 from inlinelm.gpu.model_fit import DTYPES, ModelFit, check_model_fits
 from inlinelm.gpu.model_memory import return_free_heap
 from inlinelm.gpu.sampling.sampler import Sampler, flashinfer_sampling
@@ -89,7 +89,7 @@ class ModelRunner:
             self.dtype,
         )
 
-    def _load_model(self, folder: Path) -> LlamaForCausalLM:
+    def _load_model(self, folder: Path) -> DecoderModel:
         return load_model(
             folder,
             self.model_config,

@@ -183,11 +183,11 @@ def _build_echo_runner(
     ``max_position_embeddings`` when a config.json is there, else a default: resolved once,
     here) and its vocabulary size."""
     from inlinelm.gpu.echo_runner import EchoRunner
-    from inlinelm.gpu.model.config import ModelConfig
+    from inlinelm.gpu.model.registry import read_model_config
 
     max_len, vocab = ECHO_DEFAULT_MAX_MODEL_LEN, 1 << 20
     if (folder / "config.json").is_file():
-        model_config = ModelConfig.from_folder(folder)
+        model_config = read_model_config(folder)
         max_len, vocab = model_config.max_position_embeddings, model_config.vocab_size
     max_len = config.max_model_len or max_len
     blocks = config.num_kv_blocks or min(

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.loading import model_files
 from inlinelm.gpu.loading.model_files import resolve_model
-from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.model.registry import read_model_config
 from tests.conftest import make_tiny_model
 from tests.gpu.reference import assert_logits_close, load_ours, load_reference, prefill_logits
 
@@ -50,7 +50,7 @@ def test_variants_match_transformers(
 
 def test_qwen2_reads_attention_bias(tmp_path: Path, default_model_dir: Path) -> None:
     folder = make_tiny_model(tmp_path, default_model_dir, model_type="qwen2")
-    assert ModelConfig.from_folder(folder).attention_bias
+    assert read_model_config(folder).attention_bias
 
 
 def test_default_resolves_to_cached_folder(default_model_dir: Path) -> None:

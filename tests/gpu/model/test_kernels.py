@@ -10,10 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.kernels import FlashInferKernels, Kernels, TorchKernels, make_kernels
-from inlinelm.gpu.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from inlinelm.gpu.model.layers.attention import Attention
+from inlinelm.gpu.model.layers.mlp import GatedMLP
+from inlinelm.gpu.model.layers.norm import RMSNorm
+from inlinelm.gpu.model.layers.rotary import RotaryEmbedding
+from inlinelm.gpu.model.models.decoder import DecoderModel
+from inlinelm.gpu.model.registry import read_model_config
 from inlinelm.gpu.model.rope import RopeConfig
+from tests.gpu.families import make_family_model
 from tests.gpu.reference import PROMPTS, load_ours, prefill_logits
 
 
@@ -25,18 +30,25 @@ def test_make_kernels_picks_by_kind() -> None:
 def test_a_model_built_without_kernels_runs_torch_ones_everywhere(tiny_model_dir: Path) -> None:
     model = load_ours(tiny_model_dir)
     assert isinstance(model.kernels, TorchKernels)
-    users = [m for m in model.modules() if isinstance(m, RMSNorm | Attention | MLP)]
+    users = [m for m in model.modules() if isinstance(m, RMSNorm | Attention | GatedMLP)]
     assert users and all(m.kernels is model.kernels for m in users)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2"])
 def test_flashinfer_kernels_wiring_matches_torch_on_a_stand_in(
-    fake_flashinfer: None, tiny_model_dir: Path, tokenizer: object
+    family: str,
+    fake_flashinfer: None,
+    tmp_path: Path,
+    tokenizer_dir: Path,
+    tokenizer: object,
 ) -> None:
     """The model through FlashInferKernels (in-place norms and RoPE, FlashInfer's table
-    layout) computes what the torch kernels compute."""
+    layout, Gemma's norms and tanh-GELU, partial rotary, per-head and whole q/k norms)
+    computes what the torch kernels compute."""
     assert isinstance(make_kernels("flashinfer"), FlashInferKernels)
-    cfg = ModelConfig.from_folder(tiny_model_dir)
-    ours, theirs = load_ours(tiny_model_dir), load_ours(tiny_model_dir)
+    folder = make_family_model(tmp_path / family, tokenizer_dir, family)
+    cfg = read_model_config(folder)
+    ours, theirs = load_ours(folder), load_ours(folder)
     _use_kernels(theirs, FlashInferKernels())
     for prompt in PROMPTS[:3]:
         ids = tokenizer(prompt).input_ids  # type: ignore[operator]
@@ -46,10 +58,10 @@ def test_flashinfer_kernels_wiring_matches_torch_on_a_stand_in(
     assert cfg.num_layers >= 2  # the fused residual add runs between layers
 
 
-def _use_kernels(model: LlamaForCausalLM, kernels: Kernels) -> None:
+def _use_kernels(model: DecoderModel, kernels: Kernels) -> None:
     model.kernels = kernels
     for m in model.modules():
-        if isinstance(m, RMSNorm | Attention | MLP):
+        if isinstance(m, RMSNorm | Attention | GatedMLP):
             m.kernels = kernels
 
 

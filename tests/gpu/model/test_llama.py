@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from inlinelm.gpu.model.llama import Linear, onednn_packing_available
+from inlinelm.gpu.model.layers.linear import Linear, onednn_packing_available
 from tests.gpu.conftest import GreedyReference, OursModel, ReferenceModel
 from tests.gpu.reference import (
     PROMPTS,

@@ -1,4 +1,10 @@
-"""Load safetensors weights into our fused Llama-family model."""
+"""Load safetensors weights into the model of a checkpoint's family.
+
+A checkpoint's tensor names map to ours by Llama's rules (Q/K/V into the fused QKV
+projection, gate and up into the fused gate/up one, each a row range of it), after the
+family's own renames (:attr:`~inlinelm.gpu.model.models.family.Family.checkpoint_names`);
+a tensor already fused in the checkpoint (Phi-3) fills the whole parameter.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +22,10 @@ from inlinelm.gpu.attention.metadata import AttentionBackend
 from inlinelm.gpu.loading.model_files import weight_files
 from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.kernels import Kernels
-from inlinelm.gpu.model.llama import (
-    Linear,
-    LlamaForCausalLM,
-    RotaryEmbedding,
-    onednn_packing_available,
-)
+from inlinelm.gpu.model.layers.linear import Linear, onednn_packing_available
+from inlinelm.gpu.model.layers.moe import SparseMoE
+from inlinelm.gpu.model.models.decoder import DecoderModel
+from inlinelm.gpu.model.registry import build_model, family_of
 from inlinelm.progress import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -47,7 +51,7 @@ def load_model(
     backend: AttentionBackend,
     max_positions: int,
     kernels: Kernels | None = None,
-) -> LlamaForCausalLM:
+) -> DecoderModel:
     """Build the model and fill every parameter from ``folder/*.safetensors``.
 
     ``kernels`` defaults to :class:`~inlinelm.gpu.model.kernels.TorchKernels`.
@@ -59,9 +63,9 @@ def load_model(
     """
     start = time.perf_counter()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, max_positions=1, kernels=kernels)
+        model = build_model(cfg, backend, 1, kernels)
     model = model.to(dtype=dtype).to_empty(device=device)
-    model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions).to(device)
+    model.set_max_positions(max_positions)
     params = _destinations(model)
     loaded = _load_files(folder, cfg, params)
     _check_complete(folder, cfg, params, loaded)
@@ -76,7 +80,7 @@ def load_model(
     return model.eval()
 
 
-def _pack_for_onednn(model: LlamaForCausalLM) -> None:
+def _pack_for_onednn(model: DecoderModel) -> None:
     """Pack every linear layer for oneDNN; stop at the first that refuses (plain matmuls)."""
     for name, module in model.named_modules():
         if isinstance(module, Linear) and not module.pack_for_onednn():
@@ -84,13 +88,16 @@ def _pack_for_onednn(model: LlamaForCausalLM) -> None:
             return
 
 
-def _destinations(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+def _destinations(model: DecoderModel) -> dict[str, torch.Tensor]:
     """Every loadable tensor under its checkpoint-style name, in the checkpoint's orientation
-    (a ``Linear``'s transposed storage is exposed as a ``.weight`` view of shape [out, in])."""
+    (a ``Linear``'s transposed storage is exposed as a ``.weight`` view of shape [out, in];
+    the experts of a sparse MLP by their per-expert names)."""
     views: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(module, Linear):
+        if isinstance(module, SparseMoE):
+            views.update({f"{prefix}{k}": v for k, v in module.expert_weights().items()})
+        elif isinstance(module, Linear):
             views[f"{prefix}weight"] = module.weight_t.data.t()
             if module.bias is not None:
                 views[f"{prefix}bias"] = module.bias.data
@@ -166,6 +173,8 @@ def _target(name: str, cfg: ModelConfig) -> _Target | None:
     if match is None:
         return None
     prefix, rest = f"layers.{match.group(1)}.", match.group(2)
+    for pattern, replacement in family_of(cfg.model_type).checkpoint_names:
+        rest = re.sub(pattern, replacement, rest)
     fused = {
         "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
         "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
@@ -232,7 +241,13 @@ def _check_header(
 def _check_complete(
     folder: Path, cfg: ModelConfig, params: dict[str, torch.Tensor], loaded: set[_Target]
 ) -> None:
-    expected = {_Target(name, shard) for name in params for shard in _shards(name, cfg)}
+    # NOTE: a fused parameter is complete from its shards or from one fused tensor.
+    whole = {t.param for t in loaded if t.shard == "all"}
+    expected = {
+        _Target(name, shard)
+        for name in params
+        for shard in (("all",) if name in whole else _shards(name, cfg))
+    }
     if cfg.tie_word_embeddings:
         expected.discard(_Target("lm_head.weight", "all"))
     missing = sorted(f"{t.param}[{t.shard}]" for t in expected - loaded)

@@ -1,25 +1,54 @@
-"""The architecture of a Llama-family model, read from its config.json."""
+"""The architecture of a model, read from its config.json: the fields every family shares.
+
+:func:`base_config` reads what a Llama-shaped config says (sizes, heads, RoPE, the
+layers' attention kinds); each family's file (``inlinelm.gpu.model.models``) then sets
+what its own config adds, and :func:`inlinelm.gpu.model.registry.parse_config` runs both.
+"""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Literal
 
-from inlinelm.errors import ModelLoadError
+from inlinelm.gpu.attention.metadata import LayerAttention
 from inlinelm.gpu.model.fields import ConfigFields, show
 from inlinelm.gpu.model.rope import RopeConfig, parse_rope
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-"""The ``architectures`` entries of a config we run (a checkpoint of another head, such as
-a classifier or an encoder, holds other tensors)."""
+MAX_LAYERS = 4096
+"""The most layers a config may give (the largest models have ~130): a config's layer list
+is built before the memory check, so a hostile count must fail first."""
+
+Activation = Literal["silu", "gelu_tanh"]
+QKNorm = Literal["none", "head", "whole"]
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A sparse mixture-of-experts MLP: ``top_k`` of ``num_experts`` gated SiLU experts of
+    ``intermediate_size`` per token, their weights the router's softmax over the chosen
+    ones (``renormalize``) or over all experts (not)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """What one decoder layer does that others may not: its attention kind, which RoPE
+    table it rotates with (``"global"``, ``"local"``, or None for none) and whether its
+    MLP is the sparse one."""
+
+    attention: LayerAttention
+    rope: Literal["global", "local"] | None = "global"
+    sparse: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The fields our Llama-family model code needs."""
+    """The fields our model code needs; the defaults are Llama's."""
 
     model_type: str
     vocab_size: int
@@ -35,78 +64,132 @@ class ModelConfig:
     attention_bias: bool
     rope: RopeConfig
     eos_token_ids: tuple[int, ...]
+    layers: tuple[LayerSpec, ...]
     sliding_window: int | None = None
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
+    rotary_dim: int = 0  # 0: the whole head
+    activation: Activation = "silu"
+    norm_offset: float = 0.0  # Gemma's norms scale by (1 + weight)
+    qk_norm: QKNorm = "none"
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logits_divisor: float = 1.0
+    final_softcap: float | None = None
+    local_rope: RopeConfig | None = None
+    moe: MoEConfig | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, in float32 (scale for other dtypes)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
 
-    @classmethod
-    def from_folder(cls, folder: Path) -> ModelConfig:
-        """Read and check ``folder/config.json``.
+    @property
+    def rotated_dim(self) -> int:
+        """The dimensions of each head RoPE rotates (the first ones)."""
+        return self.rotary_dim or self.head_dim
 
-        Raises ``ModelLoadError`` naming the file and the field at fault: an unreadable file,
-        a value of the wrong type or out of range, head counts that do not divide, an
-        architecture we do not run. Sizes are not judged here (see ``model_memory``).
-        """
-        path = folder / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        # NOTE: ValueError covers bad JSON, bad UTF-8 and integers past Python's digit limit.
-        except (OSError, ValueError, RecursionError) as e:
-            raise ModelLoadError(f"cannot read config ({e})", path=str(path)) from e
-        if not isinstance(raw, dict):
-            raise ModelLoadError(
-                f"config is a JSON {type(raw).__name__}, not an object", path=str(path)
-            )
-        return parse_config(raw, str(path))
+    @property
+    def attention_kinds(self) -> tuple[LayerAttention, ...]:
+        """The distinct attention kinds of the layers, in layer order (one plan each)."""
+        return tuple(dict.fromkeys(spec.attention for spec in self.layers))
 
 
-def parse_config(raw: dict[str, Any], path: str) -> ModelConfig:
-    """Check a parsed config.json (``path`` names it in errors) and build the ModelConfig."""
-    fields = ConfigFields(raw, path)
-    model_type = _model_type(fields)
+def base_config(fields: ConfigFields, model_type: str, *, model_wide_window: bool) -> ModelConfig:
+    """The Llama-shaped fields of a config.json, checked (``ModelLoadError`` names the
+    field at fault). ``model_wide_window``: a ``sliding_window`` without ``layer_types``
+    windows every layer (Mistral, Mixtral, Phi-3); otherwise only ``layer_types`` (or
+    Qwen's ``use_sliding_window``) makes a layer sliding."""
     hidden = fields.positive_int("hidden_size")
     heads = fields.positive_int("num_attention_heads")
+    num_layers = fields.positive_int("num_hidden_layers")
+    if num_layers > MAX_LAYERS:
+        raise fields.error(
+            "num_hidden_layers", f"num_hidden_layers {num_layers} is past {MAX_LAYERS}"
+        )
+    head_dim = _head_dim(fields, hidden, heads)
+    window = _window(fields)
+    attention_bias = fields.boolean("attention_bias", False)
+    types = layer_types(fields, num_layers, window, model_wide_window=model_wide_window)
     return ModelConfig(
         model_type=model_type,
         vocab_size=fields.positive_int("vocab_size"),
         hidden_size=hidden,
         intermediate_size=fields.positive_int("intermediate_size"),
-        num_layers=fields.positive_int("num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=_num_kv_heads(fields, heads),
-        head_dim=_head_dim(fields, hidden, heads),
+        head_dim=head_dim,
         rms_norm_eps=fields.positive_number("rms_norm_eps", 1e-6),
         max_position_embeddings=fields.positive_int("max_position_embeddings", 2048),
         tie_word_embeddings=fields.boolean("tie_word_embeddings", False),
-        attention_bias=model_type == "qwen2" or fields.boolean("attention_bias", False),
-        rope=parse_rope(fields),
+        attention_bias=attention_bias,
+        attention_out_bias=attention_bias,
+        mlp_bias=fields.boolean("mlp_bias", False),
+        rope=_rope(fields),
         eos_token_ids=_eos(fields),
-        sliding_window=_sliding_window(fields, model_type),
+        sliding_window=window if "sliding_attention" in types else None,
+        layers=tuple(
+            LayerSpec(
+                LayerAttention(
+                    scale=head_dim**-0.5,
+                    sliding_window=window if kind == "sliding_attention" else None,
+                )
+            )
+            for kind in types
+        ),
     )
 
 
-def _model_type(fields: ConfigFields) -> str:
-    model_type = fields.raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise fields.error(
-            "model_type",
-            f"unsupported architecture {show(model_type)}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
-        )
-    architectures = fields.raw.get("architectures")
-    if architectures is None:
-        return str(model_type)
-    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
-        raise fields.error("architectures", f"invalid architectures: {show(architectures)}")
-    if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
-        raise fields.error(
-            "architectures",
-            f"unsupported architectures {show(architectures)}; inlinelm runs causal LMs: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}",
-        )
-    return str(model_type)
+def layer_types(
+    fields: ConfigFields, num_layers: int, window: int | None, *, model_wide_window: bool
+) -> tuple[str, ...]:
+    """Each layer's ``full_attention`` or ``sliding_attention``: the config's
+    ``layer_types`` when given, else as ``base_config`` says."""
+    given = fields.raw.get("layer_types")
+    if given is not None:
+        if (
+            not isinstance(given, list)
+            or len(given) != num_layers
+            or any(kind not in LAYER_TYPES for kind in given)
+        ):
+            raise fields.error(
+                "layer_types",
+                f"invalid layer_types: {show(given)} (one of {', '.join(LAYER_TYPES)} "
+                f"per layer, {num_layers} layers)",
+            )
+        if "sliding_attention" in given and window is None:
+            raise fields.error("sliding_window", "sliding layers need a sliding_window")
+        return tuple(given)
+    if window is None:
+        return ("full_attention",) * num_layers
+    if model_wide_window:
+        return ("sliding_attention",) * num_layers
+    if not fields.boolean("use_sliding_window", False):
+        return ("full_attention",) * num_layers
+    first = fields.non_negative_int("max_window_layers", num_layers)
+    return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
+
+
+def _rope(fields: ConfigFields) -> RopeConfig:
+    """The RoPE of the model (of its full-attention layers where transformers 5 writes
+    settings per layer type: Gemma 3 reads its sliding layers' own)."""
+    params = fields.table("rope_parameters")
+    if "full_attention" in params:
+        full = params["full_attention"]
+        if not isinstance(full, dict):
+            raise fields.error(
+                "rope_parameters.full_attention", "invalid RoPE settings (an object)"
+            )
+        return parse_rope(fields, table=full, source="rope_parameters.full_attention")
+    return parse_rope(fields)
+
+
+def _window(fields: ConfigFields) -> int | None:
+    window = fields.raw.get("sliding_window")
+    if window is None:
+        return None
+    return fields.positive_int("sliding_window")
 
 
 def _num_kv_heads(fields: ConfigFields, heads: int) -> int:
@@ -145,12 +228,3 @@ def _eos(fields: ConfigFields) -> tuple[int, ...]:
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise fields.error("eos_token_id", f"invalid eos_token_id: {show(value)} (token ids)")
     return tuple(ids)
-
-
-def _sliding_window(fields: ConfigFields, model_type: str) -> int | None:
-    window = fields.raw.get("sliding_window")
-    if model_type == "qwen2" and not fields.boolean("use_sliding_window", False):
-        return None
-    return (
-        window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else None
-    )

@@ -45,6 +45,32 @@ class ConfigFields:
             raise self.error(name, f"invalid {name}: {show(value)} (a positive number)")
         return float(value)
 
+    def optional_positive_number(self, name: str) -> float | None:
+        """A positive finite number, or None when absent or null."""
+        if self.raw.get(name) is None:
+            return None
+        return self.positive_number(name, 1.0)
+
+    def non_negative_int(self, name: str, default: int) -> int:
+        """An integer >= 0; ``default`` when absent or null."""
+        value = self.raw.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise self.error(name, f"invalid {name}: {show(value)} (an integer >= 0)")
+        return value
+
+    def int_list(self, name: str, default: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """A list of integers >= 0; ``default`` when absent or null."""
+        value = self.raw.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        ):
+            raise self.error(name, f"invalid {name}: {show(value)} (a list of integers >= 0)")
+        return tuple(value)
+
     def boolean(self, name: str, default: bool) -> bool:
         """True or false; ``default`` when absent or null."""
         value = self.raw.get(name)

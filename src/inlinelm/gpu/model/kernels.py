@@ -1,5 +1,6 @@
-"""The decoder's elementwise kernels: RMSNorm (alone and with the residual add fused), RoPE
-and SiLU-and-mul; FlashInfer's on CUDA, plain torch everywhere else.
+"""The decoder's elementwise kernels: RMSNorm (alone and with the residual add fused; the
+weight or Gemma's ``1 + weight``), RoPE (over the whole head or its first dimensions) and
+the gated activations (SiLU, tanh-GELU); FlashInfer's on CUDA, plain torch everywhere else.
 
 The model takes one :class:`Kernels` when it is built (:func:`make_kernels`) and calls it
 in every layer, so the choice is made once, never per call. ``flashinfer`` is imported
@@ -41,12 +42,20 @@ class Kernels(Protocol):
 
     kind: KernelsKind
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """``x / rms(x) * weight`` over the last dim; ``x`` [T, hidden] is left unchanged."""
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+    ) -> torch.Tensor:
+        """``x / rms(x) * (offset + weight)`` over the last dim; ``x`` [T, hidden] is left
+        unchanged. ``offset`` is 0 or 1 (Gemma's norms)."""
         ...
 
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(x + residual), x + residual)``; may overwrite ``x`` and ``residual``."""
         ...
@@ -58,11 +67,17 @@ class Kernels(Protocol):
         ...
 
     def apply_rope(self, qk: torch.Tensor, num_q_heads: int, rope: RopeInputs) -> torch.Tensor:
-        """Rotate ``qk`` [T, Hq + Hkv, D] (queries, then keys; neox halves); may work in place."""
+        """Rotate ``qk`` [T, Hq + Hkv, D] (queries, then keys; neox halves) over its first
+        ``rope.cos_sin_cache.shape[-1]`` dimensions, the rest passed through; may work in
+        place."""
         ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``x`` = [gate | up] on the last dim."""
+        ...
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` for ``x`` = [gate | up] on the last dim."""
         ...
 
 
@@ -71,8 +86,15 @@ class TorchKernels:
 
     kind: KernelsKind = "torch"
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """See :class:`Kernels`."""
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+    ) -> torch.Tensor:
+        """See :class:`Kernels`. Gemma's norm (``offset``) multiplies in float32 before the
+        cast, Llama's after it: each as its reference does."""
+        if offset:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            return (h * (offset + weight.float())).to(x.dtype)
         if x.dtype == torch.float32:
             # One fused kernel instead of seven ops (a CPU decode step is dispatch-bound).
             return F.rms_norm(x, weight.shape, weight, eps)
@@ -81,11 +103,16 @@ class TorchKernels:
         return weight * h.to(x.dtype)
 
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """See :class:`Kernels`."""
         residual = x + residual
-        return self.rms_norm(residual, weight, eps), residual
+        return self.rms_norm(residual, weight, eps, offset), residual
 
     def rope_inputs(
         self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
@@ -103,12 +130,21 @@ class TorchKernels:
         """See :class:`Kernels`."""
         # NOTE: queries and keys rotate together: one set of ops per layer, not two.
         assert rope.cos is not None and rope.sin is not None
-        return qk * rope.cos + _rotate_half(qk) * rope.sin
+        rotated = rope.cos.shape[-1]
+        if rotated == qk.shape[-1]:
+            return qk * rope.cos + _rotate_half(qk) * rope.sin
+        part, rest = qk[..., :rotated], qk[..., rotated:]
+        return torch.cat((part * rope.cos + _rotate_half(part) * rope.sin, rest), dim=-1)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """See :class:`Kernels`."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """See :class:`Kernels`."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -127,19 +163,34 @@ class FlashInferKernels:
 
         self._rmsnorm: Any = flashinfer.norm.rmsnorm
         self._fused_add_rmsnorm: Any = flashinfer.norm.fused_add_rmsnorm
+        self._gemma_rmsnorm: Any = flashinfer.norm.gemma_rmsnorm
+        self._gemma_fused_add_rmsnorm: Any = flashinfer.norm.gemma_fused_add_rmsnorm
         self._rope: Any = flashinfer.rope.apply_rope_with_cos_sin_cache_inplace
         self._silu_and_mul: Any = flashinfer.activation.silu_and_mul
+        self._gelu_tanh_and_mul: Any = flashinfer.activation.gelu_tanh_and_mul
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """See :class:`Kernels`."""
-        out: torch.Tensor = self._rmsnorm(x, weight, eps)
-        return out
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+    ) -> torch.Tensor:
+        """See :class:`Kernels` (``offset`` 1: FlashInfer's Gemma norm)."""
+        # NOTE: the kernels take [N, D]; per-head norms arrive as [T, H, D].
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        norm = self._gemma_rmsnorm if offset else self._rmsnorm
+        out: torch.Tensor = norm(x, weight, eps)
+        return out.view(shape)
 
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """See :class:`Kernels` (in place: ``residual`` += ``x``, ``x`` = the norm)."""
-        self._fused_add_rmsnorm(x, residual, weight, eps)
+        fused = self._gemma_fused_add_rmsnorm if offset else self._fused_add_rmsnorm
+        fused(x, residual, weight, eps)
         return x, residual
 
     def rope_inputs(
@@ -149,7 +200,8 @@ class FlashInferKernels:
         return RopeInputs(positions, cos_sin_cache)
 
     def apply_rope(self, qk: torch.Tensor, num_q_heads: int, rope: RopeInputs) -> torch.Tensor:
-        """See :class:`Kernels` (in place; the head slices may be strided views)."""
+        """See :class:`Kernels` (in place; the head slices may be strided views; the table's
+        width is the rotated dimensions, so partial rotary passes the rest through)."""
         self._rope(
             rope.positions,
             qk[:, :num_q_heads],
@@ -163,6 +215,11 @@ class FlashInferKernels:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """See :class:`Kernels`."""
         out: torch.Tensor = self._silu_and_mul(x)
+        return out
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """See :class:`Kernels`."""
+        out: torch.Tensor = self._gelu_tanh_and_mul(x)
         return out
 
 

@@ -8,8 +8,10 @@
 # GPU_CHECK_BUDGET_S, default 470 s): probe (toolchain facts), install (the wheels from
 # .whl/, see benchmarks/gpu_wheels.sh; the prebuilt FlashInfer modules from .kernels/, see
 # benchmarks/gpu_kernels.sh, placed and load-tested; then which packages import), jit (every
-# FlashInfer module not prebuilt, in one parallel build; each kernel family run once),
-# gpu_decode, gpu_e2e, pytest (-m gpu tests/gpu). After each stage one JSON line is appended
+# base FlashInfer module not prebuilt, in one parallel build; each kernel family run once),
+# attention (the families' attention modules not prebuilt, then their layer kinds through
+# FlashInferAttention against the torch backend: windows, soft caps, head dim 256, eager
+# and graphed), gpu_decode, gpu_e2e, pytest (-m gpu tests/gpu). After each stage one JSON line is appended
 # to OUTDIR/stages.jsonl:
 #   {"stage", "status": ok|skipped: ...|failed|timeout, "rc", "seconds", "limit_s", "data", "tail"}
 # so a kill keeps what finished. OUTDIR also gets check.log (every stage's output),
@@ -17,7 +19,8 @@
 #
 # Without CUDA the check is a rehearsal of the same code: gpu_decode and gpu_e2e run on the
 # CPU at tiny shapes (--rehearsal: the static decode step uncaptured, the pipelined engine
-# loop, the HTTP clients of the idle measurement), the pytest stage runs the CPU twins of
+# loop, the HTTP clients of the idle measurement), attention runs through the CPU stand-in
+# of flashinfer (tests/gpu/fakes.py), the pytest stage runs the CPU twins of
 # the gpu tests (benchmarks/gpu_stages.py twins), jit reports "skipped: no CUDA". Exit
 # status: 0 when every stage is ok or skipped, 1 when one failed or timed out, 2 for a
 # usage error.
@@ -160,6 +163,10 @@ if [ "$CROSS" = 0 ] && [ -d "$SITE" ]; then
 fi
 
 stage jit 180 "$PY" benchmarks/gpu_stages.py jit
+# NOTE: the families' attention modules (head dim 256, windows, soft caps) are built here,
+# not in jit: a slow build of them cannot cost the base modules or the benchmarks' slices.
+[ "$HAS_CUDA" = 0 ] && STATUS="ok: CPU rehearsal (stand-in flashinfer)"
+stage attention 120 "$PY" benchmarks/gpu_stages.py attention
 
 # NOTE: the benchmarks before the test run, each with its own slice: a slow or hanging test
 # must not leave them "budget spent"; pytest takes what is left (about 2 minutes).

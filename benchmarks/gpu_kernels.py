@@ -14,9 +14,16 @@ the engine selects for the check's shapes, once, for both ways of having them:
 * ``jit``: build every module that is not prebuilt, in one ``build_jit_specs`` call (ninja
   runs all their translation units in parallel; a module alone would cost its slowest one).
 
-Modules: norm (RMSNorm and its fused add), rope, silu_and_mul, sampling, page (KV append),
-and FA2 paged decode and prefill in bf16 for head dims 64 (SmolLM2, 9/3 heads) and 128
-(Llama-3-8B, 32/8 heads: its decode runs the prefill kernel, 4 query heads per KV head).
+Modules: the base ones (:func:`base_specs`): norm (RMSNorm and its fused add, Gemma's
+too), rope, silu_and_mul, sampling, page (KV append), and FA2 paged decode and prefill in
+bf16 for head dims 64 (SmolLM2, 9/3 heads) and 128 (Llama-3-8B, 32/8 heads: its decode
+runs the prefill kernel, 4 query heads per KV head); and the families' (:func:`family_specs`):
+gelu_tanh_and_mul and the attention variants :data:`FAMILY_SHAPES` select. FlashInfer
+compiles a sliding window (``use_swa``) and a soft cap (``use_logits_cap``) into the kernel,
+so each layer kind of a family is a module of its own per head dim: Gemma 2's sliding and
+global layers, both capped, at head dim 256 with 2 query heads per KV head (the CUDA-core
+decode kernel and the prefill kernel), and Gemma 3's, uncapped, with 4 (decode on the
+prefill kernel). The jit stage builds the base ones, the attention stage the families'.
 Each command prints one ``@@data {json}`` line last (see ``benchmarks/gpu_check.sh``).
 """
 
@@ -35,13 +42,34 @@ from typing import Any
 HEAD_DIMS = (64, 128)
 MANIFEST = "manifest.json"
 
+Kind = tuple[float, int | None, float | None]
+"""A layer kind as the check writes it: (query scale, sliding window or None, soft cap or None)."""
+
+FAMILY_SHAPES: dict[str, tuple[int, int, int, tuple[Kind, ...]]] = {
+    # name: (query heads, KV heads, head dim, the distinct layer kinds)
+    # Gemma 2 2B's heads (2 per KV head: CUDA-core decode); 27B's query scale (its
+    # query_pre_attn_scalar 144, not the head dim); a cap of 2 bites on random data (the
+    # models' 50 does not; the value is not compiled in)
+    "gemma2": (8, 4, 256, ((144**-0.5, 8, 2.0), (144**-0.5, None, 2.0))),
+    # Gemma 3 1B's heads (4 per KV head: decode on the prefill kernel), no cap
+    "gemma3": (4, 1, 256, ((256**-0.5, 8, None), (256**-0.5, None, None))),
+}
+"""The layer kinds the check runs through FlashInfer (the attention stage, and the gpu
+tests' ``CUDA_FAMILY_SHAPES``); the windows are short so that test contexts cross them."""
+
 
 def emit(data: dict[str, Any]) -> None:
     print("@@data " + json.dumps(data, default=str), flush=True)
 
 
 def kernel_specs() -> list[Any]:
-    """The ``JitSpec`` of every module the engine loads for the check's two model shapes."""
+    """The ``JitSpec`` of every module the check loads: the base ones and the families'."""
+    return base_specs() + family_specs()
+
+
+def base_specs() -> list[Any]:
+    """The modules of the two benchmark shapes: the model's kernels, sampling, the KV
+    append, and plain attention at head dims 64 and 128."""
     import torch
     from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
     from flashinfer.jit.activation import gen_act_and_mul_module
@@ -65,6 +93,38 @@ def kernel_specs() -> list[Any]:
         specs.append(
             gen_batch_prefill_module("fa2", bf16, bf16, bf16, index, d, d, 0, False, False, False)
         )
+    return specs
+
+
+def family_specs() -> list[Any]:
+    """Gemma's gated GELU and the attention modules of :data:`FAMILY_SHAPES`' kinds, each
+    once (a module is a head dim, a window or none, a cap or none)."""
+    from flashinfer.jit.activation import gen_act_and_mul_module
+
+    specs = [gen_act_and_mul_module("gelu_tanh")]
+    for heads, kv_heads, head_dim, kinds in FAMILY_SHAPES.values():
+        for _, window, cap in kinds:
+            specs += attention_specs(heads, kv_heads, head_dim, window is not None, cap is not None)
+    return list({spec.name: spec for spec in specs}.values())
+
+
+def attention_specs(
+    heads: int, kv_heads: int, head_dim: int, use_swa: bool, use_cap: bool
+) -> list[Any]:
+    """The modules a kind's plans select, as FlashInfer's wrappers pick them: the FA2
+    prefill module, and the CUDA-core decode module unless decode runs on tensor cores
+    (the backend's rule: 4 query heads per KV head or more)."""
+    import torch
+    from flashinfer.jit import gen_batch_decode_module, gen_batch_prefill_module
+
+    from inlinelm.gpu.attention.flashinfer_backend import TENSOR_CORE_DECODE_MIN_GROUP
+
+    bf16, index, d = torch.bfloat16, torch.int32, head_dim
+    specs = [
+        gen_batch_prefill_module("fa2", bf16, bf16, bf16, index, d, d, 0, use_swa, use_cap, False)
+    ]
+    if heads // kv_heads < TENSOR_CORE_DECODE_MIN_GROUP:
+        specs.append(gen_batch_decode_module(bf16, bf16, bf16, index, d, d, 0, use_swa, use_cap))
     return specs
 
 
@@ -169,11 +229,12 @@ def _place(spec: Any, src: Path, manifest: dict[str, Any], placed: list[Path]) -
     return []
 
 
-def jit() -> dict[str, Any]:
-    """Build every module not prebuilt in one ``build_jit_specs`` call; what was done."""
+def jit(specs: list[Any] | None = None) -> dict[str, Any]:
+    """Build every module of ``specs`` (default: all) not prebuilt in one
+    ``build_jit_specs`` call; what was done."""
     from flashinfer.jit import build_jit_specs
 
-    specs = kernel_specs()
+    specs = kernel_specs() if specs is None else specs
     missing = [s.name for s in specs if not s.is_aot]
     t0 = time.perf_counter()
     build_jit_specs(specs, verbose=os.environ.get("FLASHINFER_JIT_VERBOSE") == "1")

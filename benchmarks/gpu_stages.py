@@ -1,4 +1,5 @@
-"""The Python stages of ``benchmarks/gpu_check.sh``: ``probe``, ``install``, ``jit``, ``twins``.
+"""The Python stages of ``benchmarks/gpu_check.sh``: ``probe``, ``install``, ``jit``,
+``attention``, ``twins``.
 
 Each prints human-readable lines and, last, one ``@@data {json}`` line the check records.
 ``jit`` exits 3 (skipped) without a CUDA device.
@@ -9,9 +10,16 @@ Each prints human-readable lines and, last, one ``@@data {json}`` line the check
 * ``install WHEELS SITE KERNELS``: pip-installs the carried wheels into SITE, copies the
   prebuilt FlashInfer modules from KERNELS into FlashInfer's AOT folder and load-tests them
   (``benchmarks/gpu_kernels.py install``), then reports which packages import.
-* ``jit``: builds every FlashInfer module that is not prebuilt in one parallel call
+* ``jit``: builds every base FlashInfer module that is not prebuilt in one parallel call
   (``benchmarks/gpu_kernels.py``), then runs each kernel family once for the shapes the GPU
   tests and benchmarks use (head dim 64 with 3 and 4 query heads per KV head, 128 with 4).
+* ``attention``: builds the families' attention modules not prebuilt (one parallel call),
+  then runs each family shape of ``gpu_kernels.FAMILY_SHAPES`` (head dim 256; sliding and
+  global layer kinds, soft-capped or not, a query scale not the head dim's) through
+  ``FlashInferAttention``: a prefill step with cached prefixes and a decode step, one plan
+  per kind, and the graphed decode of both kinds (a CUDA graph captured once, replayed
+  for two steps), each against the torch backend in float32. Without CUDA the same runs
+  through the CPU stand-in of ``flashinfer`` (``tests/gpu/fakes.py``) in float32.
 * ``twins``: the node ids of the CPU tests standing in for the ``gpu`` tests, which the
   check's pytest stage runs where there is no CUDA device.
 """
@@ -60,6 +68,17 @@ CPU_TWINS: dict[str, tuple[str, ...]] = {
     ),
     _A + "test_attention_backends.py::test_flashinfer_equals_torch_backend_on_cuda": (
         _A + "test_attention_backends.py::test_flashinfer_glue_plans_once_and_matches_torch",
+    ),
+    _A + "test_attention_backends.py::test_flashinfer_layer_kinds_equal_torch_backend_on_cuda": (
+        _A
+        + "test_attention_backends.py::"
+        + "test_flashinfer_glue_plans_each_kind_once_per_step_and_matches_torch",
+    ),
+    _A
+    + "test_attention_backends.py::test_flashinfer_graph_attention_with_two_kinds_replays_on_cuda": (
+        _A
+        + "test_attention_backends.py::"
+        + "test_the_flashinfer_graph_attention_plans_every_kind_before_a_replay_and_matches_torch",
     ),
     _A + "test_attention_backends.py::test_auto_picks_flashinfer_on_cuda_when_installed": (
         _A + "test_attention_backends.py::test_auto_on_cuda_is_flashinfer_when_it_imports",
@@ -262,7 +281,7 @@ def jit() -> int:
     }
     failed = False
     try:
-        data["build"] = gpu_kernels.jit()
+        data["build"] = gpu_kernels.jit(gpu_kernels.base_specs())
     except Exception as e:
         data["build"] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
         failed = True
@@ -356,7 +375,8 @@ def warm_shape(heads: int, kv_heads: int, head_dim: int) -> dict[str, float]:
     from inlinelm.gpu.attention.metadata import AttentionMetadata, LayerAttention
 
     device, dtype, page = torch.device("cuda"), torch.bfloat16, 16
-    backend = FlashInferAttention(heads, kv_heads, head_dim, dtype, device)
+    plain = LayerAttention(head_dim**-0.5)
+    backend = FlashInferAttention(heads, kv_heads, head_dim, dtype, device, [plain])
     cache = torch.zeros(2, 8 * page, kv_heads, head_dim, dtype=dtype, device=device)
     timings = {}
     for kind, lens, new in (("prefill", [20, 5], [20, 5]), ("decode", [21, 6], [1, 1])):
@@ -380,11 +400,115 @@ def warm_shape(heads: int, kv_heads: int, head_dim: int) -> dict[str, float]:
         t = sum(new)
         q = torch.randn(t, heads, head_dim, dtype=dtype, device=device)
         k = torch.randn(t, kv_heads, head_dim, dtype=dtype, device=device)
-        out = backend.forward(q, k, k.clone(), cache, meta, LayerAttention(head_dim**-0.5))
+        out = backend.forward(q, k, k.clone(), cache, meta, plain)
         torch.cuda.synchronize()
         assert out.shape == (t, heads, head_dim) and bool(torch.isfinite(out).all())
         timings[f"{kind}_s"] = time.perf_counter() - t0
     return timings
+
+
+ATTENTION_STEPS = {
+    # (cached prefix, new tokens) per request: chunks after prefixes, past the windows of 8
+    "prefill": [(0, 37), (20, 1), (16, 16), (5, 11), (100, 3)],
+    "decode": [(n, 1) for n in (0, 7, 8, 15, 16, 17, 63, 200)],
+}
+GRAPH_STEPS = ([(0, 1), (15, 1), (40, 1), (7, 1)], [(30, 1), (2, 1), (16, 1), (55, 1)])
+ATTENTION_ATOL = {"cuda": 3e-2, "cpu": 1e-4}  # bf16 on the device, float32 on the stand-in
+
+
+def attention() -> int:
+    """The families' layer kinds through ``FlashInferAttention`` against the torch backend
+    (real FlashInfer in bf16 on CUDA; the CPU stand-in in float32 elsewhere)."""
+    import torch
+
+    import gpu_kernels
+
+    cuda = torch.cuda.is_available()
+    data: dict[str, Any] = {"device": "cuda" if cuda else "cpu (stand-in flashinfer)"}
+    failed = False
+    if cuda:
+        try:
+            data["build"] = gpu_kernels.jit(gpu_kernels.family_specs())
+        except Exception as e:
+            data["build"] = {"error": f"{type(e).__name__}: {e}"[-3000:]}
+            failed = True
+        print(data["build"], flush=True)
+    else:
+        use_stand_in_flashinfer()
+    data["shapes"] = []
+    for name, (heads, kv_heads, head_dim, kinds) in gpu_kernels.FAMILY_SHAPES.items():
+        row: dict[str, Any] = {"shape": name, "heads": heads, "kv_heads": kv_heads}
+        row.update(head_dim=head_dim, kinds=[list(kind) for kind in kinds])
+        try:
+            row.update(attend_kinds(heads, kv_heads, head_dim, kinds, cuda))
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:800]
+        failed |= "error" in row
+        data["shapes"].append(row)
+        print(row, flush=True)
+    emit(data)
+    return 1 if failed else 0
+
+
+def use_stand_in_flashinfer() -> None:
+    """``import flashinfer`` gives the CPU stand-in of the tests (as their fixture does)."""
+    from tests.gpu.fakes import fake_flashinfer_module
+
+    from inlinelm.gpu.attention import flashinfer_backend
+
+    sys.modules["flashinfer"] = fake_flashinfer_module()
+    flashinfer_backend.WORKSPACE_BYTES = 1024
+
+
+def attend_kinds(
+    heads: int, kv_heads: int, head_dim: int, kinds: tuple[Any, ...], cuda: bool
+) -> dict[str, Any]:
+    """The largest error against the torch backend of each step (eager prefill and
+    decode: the kinds alternating over three layers; graphed decode: every kind a layer),
+    and the seconds each took (the first of each loads its modules)."""
+    import torch
+    from tests.gpu.attention.kind_steps import eager_results, graph_results
+    from tests.gpu.paged_steps import Shape, make_step
+
+    from inlinelm.gpu.attention.flashinfer_backend import FlashInferAttention
+    from inlinelm.gpu.attention.metadata import LayerAttention
+
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    layer_kinds = [LayerAttention(*kind) for kind in kinds]
+    layers = [*layer_kinds, layer_kinds[0]]
+    backend = FlashInferAttention(heads, kv_heads, head_dim, dtype, device, layers)
+    shape = Shape(16, heads, kv_heads, head_dim)
+    errors: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    for name, requests in ATTENTION_STEPS.items():
+        t0 = time.perf_counter()
+        steps = [
+            make_step(shape, requests, 0, data_seed=i, dtype=dtype, device=device)
+            for i in range(len(layers))
+        ]
+        errors[name] = _largest_error(eager_results(backend, layers, steps, 16))
+        seconds[name] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    graph = backend.make_graph_attention(4, 256, 16, device)
+    graph.init_capture_graph([1, 2, 4])
+    steps = [
+        make_step(shape, requests, i, dtype=dtype, device=device)
+        for i, requests in enumerate(GRAPH_STEPS)
+    ]
+    results = graph_results(backend, graph, layer_kinds, steps, capture=cuda)
+    graph.close()
+    errors["graph_decode"] = _largest_error(results)
+    seconds["graph_decode"] = time.perf_counter() - t0
+    row: dict[str, Any] = {"max_abs_error": errors, "seconds": seconds}
+    atol = ATTENTION_ATOL[device.type]
+    if max(errors.values()) > atol:
+        row["error"] = f"an output differs from the torch backend's by more than {atol}"
+    return row
+
+
+def _largest_error(results: list[tuple[Any, Any, Any]]) -> float:
+    return max(float((out.float() - expected).abs().max()) for _, out, expected in results)
 
 
 def twins() -> int:
@@ -399,6 +523,7 @@ def main() -> int:
         "probe": (probe, 0),
         "install": (install, 3),
         "jit": (jit, 0),
+        "attention": (attention, 0),
         "twins": (twins, 0),
     }
     if len(sys.argv) < 2 or sys.argv[1] not in stages:

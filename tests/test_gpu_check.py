@@ -25,8 +25,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
-STAGES = ["probe", "install", "jit", "gpu_decode", "gpu_e2e", "pytest"]
-REHEARSED = ["probe", "install", "jit", "gpu_decode", "gpu_e2e"]
+STAGES = ["probe", "install", "jit", "attention", "gpu_decode", "gpu_e2e", "pytest"]
+REHEARSED = ["probe", "install", "jit", "attention", "gpu_decode", "gpu_e2e"]
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="on a CUDA machine the check runs for real"
@@ -83,6 +83,7 @@ def test_the_rehearsal_runs_both_benchmarks_without_an_error_row(tmp_path: Path)
         "probe": "ok",
         "install": f"skipped: no wheels in {empty} (run benchmarks/gpu_wheels.sh)",
         "jit": "skipped: no CUDA",
+        "attention": "ok: CPU rehearsal (stand-in flashinfer)",
         "gpu_decode": "ok: CPU rehearsal",
         "gpu_e2e": "ok: CPU rehearsal",
         "pytest": "skipped: not in GPU_CHECK_STAGES",
@@ -91,6 +92,12 @@ def test_the_rehearsal_runs_both_benchmarks_without_an_error_row(tmp_path: Path)
     assert probe["cuda_available"] is False
     assert "cuda_home_missing" in probe and "packages" not in probe  # packages: after install
     assert "torch" not in install["packages"] and "flashinfer" in install["packages"]
+    attention = lines[STAGES.index("attention")]["data"]
+    assert {row["shape"] for row in attention["shapes"]} == {"gemma2", "gemma3"}
+    for row in attention["shapes"]:
+        assert "error" not in row, row
+        assert set(row["max_abs_error"]) == {"prefill", "decode", "graph_decode"}
+        assert all(0 <= e < 1e-4 for e in row["max_abs_error"].values()), row
 
     decode = json.loads((out / "gpu_decode.json").read_text())
     assert decode["rehearsal"] is True and decode["copy_bandwidth_bytes_per_s"] > 0
@@ -161,3 +168,17 @@ def test_build_runner_returns_the_runner_of_the_four_values(
         assert isinstance(runner, ModelRunner) and runner.model_config.num_layers == 2
     finally:
         runner.close()
+
+
+def test_the_checks_family_shapes_are_the_gpu_tests(benchmarks_on_path: None) -> None:
+    """The modules gpu_kernels builds ahead are the ones the gpu tests' family shapes
+    select: the two name the same heads and layer kinds."""
+    import gpu_kernels
+    from inlinelm.gpu.attention.metadata import LayerAttention
+    from tests.gpu.attention.test_attention_backends import CUDA_FAMILY_SHAPES
+
+    ours = {
+        name: (heads, kv_heads, head_dim, [LayerAttention(*kind) for kind in kinds])
+        for name, (heads, kv_heads, head_dim, kinds) in gpu_kernels.FAMILY_SHAPES.items()
+    }
+    assert ours == CUDA_FAMILY_SHAPES

@@ -87,6 +87,7 @@ class ModelRunner:
             cfg.num_kv_heads,
             cfg.head_dim,
             self.dtype,
+            cfg.attention_kinds,
         )
 
     def _load_model(self, folder: Path) -> DecoderModel:

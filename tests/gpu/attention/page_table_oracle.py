@@ -3,8 +3,8 @@
 It sees the step exactly as FlashInfer's wrappers do (``qo_indptr``, ``kv_indptr``,
 ``kv_indices``, ``kv_last_page_len`` and the cache as NHD pages), so holding it equal to
 :class:`~inlinelm.gpu.attention.torch_backend.TorchAttention` proves the page-table builder, the cache
-view and the K/V write without a GPU. It is a reference, not a fast path: one SDPA call
-per request.
+view, the K/V write, and the window and soft cap as FlashInfer is told them, without a
+GPU. It is a reference, not a fast path: one attention call per request.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from inlinelm.gpu.attention.flashinfer_backend import layer_plan_options
 from inlinelm.gpu.attention.metadata import AttentionMetadata, LayerAttention
 from inlinelm.gpu.attention.page_table import PageTable, paged_kv_view, step_page_table
 from inlinelm.gpu.kv_cache import write_kv
@@ -38,13 +39,13 @@ class PageTableAttention:
         meta: AttentionMetadata,
         layer: LayerAttention,
     ) -> torch.Tensor:
-        """See :class:`~inlinelm.gpu.attention.metadata.AttentionBackend` (``layer``'s scale
-        only: no window, no soft cap)."""
+        """See :class:`~inlinelm.gpu.attention.metadata.AttentionBackend`: ``layer`` as the
+        FlashInfer backend hands it to FlashInfer (:func:`layer_plan_options`)."""
         table = meta.plan
         assert isinstance(table, PageTable)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         k_pages, v_pages = paged_kv_view(kv_cache, table.page_size)
-        return paged_attention(q, k_pages, v_pages, table, layer.scale)
+        return paged_attention(q, k_pages, v_pages, table, **layer_plan_options(layer))
 
 
 def paged_attention(
@@ -52,12 +53,18 @@ def paged_attention(
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
     table: PageTable,
-    scale: float,
+    sm_scale: float,
+    window_left: int = -1,
+    logits_soft_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of ``q`` [T, H, D] over NHD pages, reading only ``table.device``.
+    """Causal attention of ``q`` [T, H, D] over NHD pages, reading only ``table.device``,
+    with FlashInfer's ``plan()`` options in its own terms.
 
     Causal is bottom-right aligned, as FlashInfer's ``causal=True``: query ``j`` of a
     request with ``q_len`` queries and ``kv_len`` keys sees keys ``0 .. kv_len - q_len + j``.
+    ``window_left >= 0`` also hides key ``k`` unless ``k + q_len + window_left >= kv_len +
+    j`` (FlashInfer's ``DefaultAttention`` mask, ``attention/variants.cuh``), ``-1`` hides
+    none. ``logits_soft_cap > 0`` caps the scaled products at ``cap * tanh(s / cap)``.
     """
     arrays = table.device
     qo_indptr = arrays.qo_indptr.tolist()
@@ -71,15 +78,40 @@ def paged_attention(
         values = v_pages[pages].flatten(0, 1)[:kv_len]
         queries = q[qo_indptr[i] : qo_indptr[i + 1]]  # [q_len, H, D]
         q_len = queries.shape[0]
-        key_pos = torch.arange(kv_len, device=q.device)
-        query_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        result = F.scaled_dot_product_attention(
+        kv_idx = torch.arange(kv_len, device=q.device).view(1, -1)
+        qo_idx = torch.arange(q_len, device=q.device).view(-1, 1)
+        visible = kv_idx <= kv_len - q_len + qo_idx
+        if window_left >= 0:
+            visible &= kv_idx + q_len + window_left >= kv_len + qo_idx
+        result = _attend(
             queries.transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
-            attn_mask=key_pos.view(1, -1) <= query_pos.view(-1, 1),
-            scale=scale,
-            enable_gqa=True,
+            visible,
+            sm_scale,
+            logits_soft_cap,
         )
         out[qo_indptr[i] : qo_indptr[i + 1]] = result[0].transpose(0, 1)
     return out
+
+
+def _attend(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    sm_scale: float,
+    logits_soft_cap: float,
+) -> torch.Tensor:
+    """[1, H, q, D] queries over [1, KVH, k, D] keys where ``visible`` [q, k] holds."""
+    if logits_soft_cap <= 0:
+        return F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=visible, scale=sm_scale, enable_gqa=True
+        )
+    group = queries.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * sm_scale
+    scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.matmul(weights, values.float()).to(queries.dtype)

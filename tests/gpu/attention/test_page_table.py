@@ -1,5 +1,6 @@
 """The page table in FlashInfer's form, proved on the CPU: attention that reads only the
-table equals the torch backend on random mixed steps."""
+table, masked and capped in FlashInfer's terms, equals the torch backend on random mixed
+steps and layer kinds."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from inlinelm.gpu.attention.metadata import LayerAttention
 from inlinelm.gpu.attention.page_table import (
     build_page_table,
     pack_page_table,
@@ -92,15 +94,28 @@ requests = st.lists(
 )
 
 
+# a layer's kind: its scale, a window from one key to past every context, a soft cap
+kinds = st.builds(
+    LayerAttention,
+    scale=st.sampled_from([8**-0.5, 0.6]),
+    sliding_window=st.one_of(st.none(), st.integers(1, 70)),
+    softcap=st.one_of(st.none(), st.sampled_from([0.5, 3.0])),
+)
+
+
 @settings(max_examples=50, deadline=None)
-@given(shape=shapes(), batch=requests, seed=st.integers(0, 2**16))
+@given(shape=shapes(), batch=requests, seed=st.integers(0, 2**16), layer=kinds)
 def test_page_table_attention_equals_torch_backend(
-    shape: Shape, batch: list[tuple[int, int]], seed: int
+    shape: Shape, batch: list[tuple[int, int]], seed: int, layer: LayerAttention
 ) -> None:
+    """The window as FlashInfer's ``window_left`` (and its mask), the soft cap as its
+    ``logits_soft_cap``, against transformers' window and cap in the torch backend."""
     step = make_step(shape, batch, seed)
     heads = (shape.num_heads, shape.num_kv_heads, shape.head_dim)
-    expected, expected_cache = run_backend(TorchAttention(*heads), step, shape.block_size)
-    out, cache = run_backend(PageTableAttention(*heads), step, shape.block_size)
+    expected, expected_cache = run_backend(
+        TorchAttention(*heads), step, shape.block_size, layer=layer
+    )
+    out, cache = run_backend(PageTableAttention(*heads), step, shape.block_size, layer=layer)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(cache, expected_cache)
 

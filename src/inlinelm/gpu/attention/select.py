@@ -3,19 +3,22 @@
 ``"auto"`` picks FlashInfer on a CUDA device when ``import flashinfer`` works, the torch
 backend otherwise; ``"flashinfer"`` insists (and fails clearly where it cannot run);
 ``"torch"`` always takes the torch backend. FlashInfer's kernels take 16-bit floats and
-head dims 64, 128 and 256 only, so any other model runs the torch backend.
+head dims 64, 128 and 256 only (the FA2 head dims its prebuilt kernels are built for,
+``flashinfer/aot.py``), so any other model runs the torch backend. Sliding windows, soft
+caps and query scales of any layer both backends take.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 import torch
 
 from inlinelm.config import AttentionBackendName
 from inlinelm.errors import ConfigError
-from inlinelm.gpu.attention.metadata import AttentionBackend
+from inlinelm.gpu.attention.metadata import AttentionBackend, LayerAttention
 from inlinelm.gpu.attention.torch_backend import TorchAttention
 
 AttentionBackendKind = Literal["flashinfer", "torch"]
@@ -73,13 +76,16 @@ def make_attention_backend(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    layers: Sequence[LayerAttention],
 ) -> AttentionBackend:
-    """Build the backend :func:`select_attention_backend` picks for ``name`` on ``device``."""
+    """Build the backend :func:`select_attention_backend` picks for ``name`` on ``device``,
+    for layers of the kinds ``layers`` (``ModelConfig.attention_kinds``; FlashInfer plans
+    each distinct kind once per step, the torch backend needs none ahead)."""
     if select_attention_backend(name, device, dtype, head_dim=head_dim) == "torch":
         return TorchAttention(num_heads, num_kv_heads, head_dim)
     from inlinelm.gpu.attention.flashinfer_backend import FlashInferAttention
 
-    return FlashInferAttention(num_heads, num_kv_heads, head_dim, dtype, device)
+    return FlashInferAttention(num_heads, num_kv_heads, head_dim, dtype, device, layers)
 
 
 def _flashinfer_import_error() -> str | None:

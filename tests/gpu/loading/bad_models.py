@@ -283,7 +283,13 @@ def rope_theta_a_word(tmp: Path, sources: Sources) -> BadModel:
 
 @bad_model
 def rope_llama3_without_factor(tmp: Path, sources: Sources) -> BadModel:
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     return config_case(tmp, sources, "rope_parameters.factor", rope_parameters=rope)
 
 

@@ -22,6 +22,7 @@ from inlinelm.gpu.model_runner import ModelRunner
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.request import Request
 from inlinelm.sched.scheduler import Scheduler
+from tests.gpu.families import make_family_model
 from tests.gpu.test_model_runner import run_to_completion
 
 MAX_NUM_SEQS = 12  # sizes 1, 2, 4, 8, 12
@@ -107,6 +108,18 @@ def test_static_step_tokens_equal_the_dynamic_path_at_every_size(
     assert got == want
     assert {size for _, size in sizes} == set(capture_sizes(MAX_NUM_SEQS))
     assert any(n < size for n, size in sizes)  # padding rows ran
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mixtral", "phi3"])
+def test_static_step_tokens_equal_the_dynamic_path_for_each_layer_kind(
+    family: str, tmp_path: Path, tokenizer_dir: Path, tokenizer: Any
+) -> None:
+    """Sliding windows shorter than the prompts and soft caps (Gemma 2), experts (Mixtral)
+    and partial rotary (Phi-3) through the static-buffer decode."""
+    folder = make_family_model(tmp_path / family, tokenizer_dir, family)
+    want, got, sizes = _tokens_both_ways(folder, tokenizer, [1, 3, 5])
+    assert got == want
+    assert any(n < size for n, size in sizes)
 
 
 def test_padding_rows_write_only_the_scratch_block(tiny_model_dir: Path, tokenizer: Any) -> None:

@@ -19,7 +19,8 @@ from inlinelm.docs import (
 )
 
 STALE = "intro\n<!-- options:start -->\nold\n<!-- options:end -->\nmiddle\n" + (
-    "<!-- server-options:start --><!-- server-options:end -->\nend\n"
+    "<!-- server-options:start --><!-- server-options:end -->\n"
+    "<!-- architectures:start -->\nold\n<!-- architectures:end -->\nend\n"
 )
 
 
@@ -64,3 +65,6 @@ def test_readme_command_checks_then_rewrites(
     assert main(["readme", str(path), "--check"]) == 0
     assert main(["options"]) == 0
     assert capsys.readouterr().out == engine_options_table() + "\n"
+    assert main(["architectures"]) == 0
+    table = capsys.readouterr().out
+    assert "| Gemma 2 | `gemma2` |" in table and table.strip() in path.read_text()

@@ -105,6 +105,13 @@ CPU_TWINS: dict[str, tuple[str, ...]] = {
     _S + "test_sampler.py::test_seed_is_batch_invariant_on_cuda_at_full_size": (
         _S + "test_sampler.py::test_seed_gives_the_same_tokens_whatever_the_batch_and_row",
     ),
+    _G + "test_families_cuda.py::test_a_family_on_cuda_decodes_as_transformers": (
+        _M
+        + "test_families.py::"
+        + "test_engine_greedy_matches_transformers_through_chunks_prefix_hits_and_preemption",
+        _G
+        + "test_cuda_graphs.py::test_static_step_tokens_equal_the_dynamic_path_for_each_layer_kind",
+    ),
     _G + "test_gpu_engine.py::test_greedy_is_the_same_in_every_mode_and_equals_transformers": (
         _G + "test_model_runner.py::test_greedy_equals_transformers",
     ),

@@ -478,3 +478,101 @@ def tokenizer_config_not_json(tmp: Path, sources: Sources) -> BadModel:
     path = folder / "tokenizer_config.json"
     path.write_text("{'single': 'quotes'}")
     return BadModel(folder, path)
+
+
+# -- the families' own fields -------------------------------------------------------------
+
+
+@bad_model
+def layer_types_of_the_wrong_length(tmp: Path, sources: Sources) -> BadModel:
+    changes = {"model_type": "gemma2", "sliding_window": 8, "layer_types": ["full_attention"]}
+    return config_case(tmp, sources, "layer_types", **changes)
+
+
+@bad_model
+def layer_types_unknown_kind(tmp: Path, sources: Sources) -> BadModel:
+    kinds = ["sliding_attention", "chunked_attention"]
+    return config_case(tmp, sources, "layer_types", model_type="qwen3", layer_types=kinds)
+
+
+@bad_model
+def sliding_layers_without_a_window(tmp: Path, sources: Sources) -> BadModel:
+    kinds = ["sliding_attention", "full_attention"]
+    changes = {"model_type": "qwen3", "layer_types": kinds, "sliding_window": None}
+    return config_case(tmp, sources, "sliding_window", **changes)
+
+
+@bad_model
+def more_experts_per_token_than_experts(tmp: Path, sources: Sources) -> BadModel:
+    changes = {"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3}
+    return config_case(tmp, sources, "num_experts_per_tok", **changes)
+
+
+@bad_model
+def moe_without_expert_size(tmp: Path, sources: Sources) -> BadModel:
+    changes = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2}
+    return config_case(tmp, sources, "moe_intermediate_size", **changes)
+
+
+@bad_model
+def mlp_only_layers_not_ints(tmp: Path, sources: Sources) -> BadModel:
+    changes = {
+        "model_type": "qwen3_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "mlp_only_layers": ["first"],
+    }
+    return config_case(tmp, sources, "mlp_only_layers", **changes)
+
+
+@bad_model
+def query_scale_a_string(tmp: Path, sources: Sources) -> BadModel:
+    changes = {"model_type": "gemma2", "query_pre_attn_scalar": "256"}
+    return config_case(tmp, sources, "query_pre_attn_scalar", **changes)
+
+
+@bad_model
+def soft_cap_negative(tmp: Path, sources: Sources) -> BadModel:
+    changes = {"model_type": "gemma2", "attn_logit_softcapping": -50.0}
+    return config_case(tmp, sources, "attn_logit_softcapping", **changes)
+
+
+@bad_model
+def gemma_activation_unknown(tmp: Path, sources: Sources) -> BadModel:
+    changes = {"model_type": "gemma2", "hidden_activation": "relu"}
+    return config_case(tmp, sources, "hidden_activation", **changes)
+
+
+@bad_model
+def partial_rotary_past_one(tmp: Path, sources: Sources) -> BadModel:
+    return config_case(
+        tmp, sources, "partial_rotary_factor", model_type="phi3", partial_rotary_factor=1.5
+    )
+
+
+@bad_model
+def longrope_factors_of_the_wrong_length(tmp: Path, sources: Sources) -> BadModel:
+    rope = {"rope_type": "longrope", "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]}
+    changes = {
+        "model_type": "phi3",
+        "rope_parameters": rope,
+        "original_max_position_embeddings": 64,
+    }
+    return config_case(tmp, sources, "rope_parameters.short_factor", **changes)
+
+
+@bad_model
+def no_rope_layers_of_the_wrong_length(tmp: Path, sources: Sources) -> BadModel:
+    return config_case(tmp, sources, "no_rope_layers", model_type="smollm3", no_rope_layers=[1])
+
+
+@bad_model
+def granite_multiplier_zero(tmp: Path, sources: Sources) -> BadModel:
+    changes = {"model_type": "granite", "residual_multiplier": 0}
+    return config_case(tmp, sources, "residual_multiplier", **changes)
+
+
+@bad_model
+def layer_count_past_the_cap(tmp: Path, sources: Sources) -> BadModel:
+    return config_case(tmp, sources, "num_hidden_layers", num_hidden_layers=5000)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from inlinelm.errors import ModelLoadError, RequestError
-from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.model.registry import read_model_config
 from inlinelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def _check_hf_folder(path: Path) -> None:
     """A readable, valid config.json and weight files that exist (nothing is read from them)."""
     if not (path / "config.json").is_file():
         raise ModelLoadError("missing config.json", path=str(path / "config.json"))
-    ModelConfig.from_folder(path)
+    read_model_config(path)
     weight_files(path)
 
 
@@ -245,7 +245,7 @@ def _no_tokenizer(folder: Path) -> ModelLoadError:
 def _tokenizer_error(folder: Path, error: Exception) -> ModelLoadError:
     """Name what transformers could not read, trying each file on its own: tokenizer.json
     (tokenizers), then config.json (transformers validates every field of it while it picks
-    the tokenizer class, ours only the ones we run); else the folder."""
+    the tokenizer class: our own check first, then transformers'); else the folder."""
     from tokenizers import Tokenizer
     from transformers import AutoConfig
 
@@ -257,6 +257,11 @@ def _tokenizer_error(folder: Path, error: Exception) -> ModelLoadError:
         except Exception as e:
             return ModelLoadError(f"tokenizers cannot read it ({e})", path=str(tokenizer_json))
     if config_json.is_file():
+        try:
+            # NOTE: ours first: its errors name the field at fault, transformers' the class.
+            read_model_config(folder)
+        except ModelLoadError as e:
+            return e
         try:
             AutoConfig.from_pretrained(str(folder))
         except Exception as e:

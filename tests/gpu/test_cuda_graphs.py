@@ -271,3 +271,23 @@ def test_one_capture_stream_per_device_for_the_process(monkeypatch: pytest.Monke
     assert cuda_graphs.capture_stream(torch.device("cuda", 0)) is first
     assert cuda_graphs.capture_stream(torch.device("cuda", 1)) is not first
     assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
+@pytest.mark.parametrize(("family", "capturable"), [("mixtral", False), ("llama", True)])
+def test_a_model_whose_experts_run_one_at_a_time_is_not_captured(
+    family: str,
+    capturable: bool,
+    tmp_path: Path,
+    tokenizer_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Off the grouped GEMM (any CPU; CUDA but bf16 on SM90/SM100) a sparse MLP reads its
+    expert counts on the host, which a capture cannot hold: the runner stays eager."""
+    folder = make_family_model(tmp_path / family, tokenizer_dir, family)
+    runner = _runner(folder, static=False)
+    built: list[bool] = []
+    monkeypatch.setattr(type(runner), "overlaps", property(lambda self: True))
+    monkeypatch.setattr(runner, "build_graphs", lambda *, capture: built.append(capture))
+    runner._ensure_graphs()
+    runner._ensure_graphs()
+    assert built == ([True] if capturable else [])

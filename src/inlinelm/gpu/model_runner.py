@@ -28,6 +28,7 @@ from inlinelm.gpu.kv_cache import (
 )
 from inlinelm.gpu.loading.weights import load_model
 from inlinelm.gpu.model.kernels import make_kernels
+from inlinelm.gpu.model.layers.moe import SparseMoE
 from inlinelm.gpu.model.models.decoder import DecoderModel
 from inlinelm.gpu.model_fit import DTYPES, ModelFit, check_model_fits
 from inlinelm.gpu.model_memory import return_free_heap
@@ -329,7 +330,18 @@ class ModelRunner:
 
     def _ensure_graphs(self) -> None:
         if not self._graphs_built and self.overlaps and not self.config.enforce_eager:
-            self.build_graphs(capture=True)
+            self._graphs_built = True  # NOTE: once, captured or refused
+            if self._capturable():
+                self.build_graphs(capture=True)
+
+    def _capturable(self) -> bool:
+        """Whether a CUDA graph can capture a decode step (a sparse MLP off its grouped GEMM
+        reads expert counts on the host)."""
+        for name, module in self.model.named_modules():
+            if isinstance(module, SparseMoE) and not module.runs_grouped(self.device, self.dtype):
+                logger.warning("CUDA graphs off: %s's experts run one at a time here", name)
+                return False
+        return True
 
     def _close_step_state(self) -> None:
         """Release the decode graphs and any step still in flight."""

@@ -132,5 +132,5 @@ def architecture_table() -> str:
         types = ", ".join(f"`{t}`" for t in family.model_types)
         examples = ", ".join(f"`{e}`" for e in family.examples)
         gguf = f"yes (`{family.gguf}`)" if family.gguf else "no"
-        rows.append(f"| {family.name} | {types} | {examples} | {gguf} | yes / yes |")
+        rows.append(f"| {family.name} | {types} | {examples} | {gguf} | yes / yes* |")
     return "\n".join(rows) + "\n"

@@ -15,7 +15,8 @@ import torch
 
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.loading.gguf_header import SUPPORTED_GGUF_ARCHS, check_metadata, open_gguf
-from inlinelm.gpu.model.config import ModelConfig, parse_config
+from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.model.registry import parse_config
 from inlinelm.gpu.model_memory import format_bytes, host_memory_available
 from inlinelm.progress import progress_bar
 

@@ -148,7 +148,8 @@ def gguf_truncated_in_the_tensors(tmp: Path, sources: Sources) -> BadModel:
 def gguf_architecture_unknown(tmp: Path, sources: Sources) -> BadModel:
     parts = tiny_gguf_parts()
     parts = replace(parts, arch="gpt2")
-    return gguf_case(tmp, parts, "general.architecture")
+    bad = gguf_case(tmp, parts, "general.architecture")
+    return replace(bad, mentions="llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3, olmo2")
 
 
 @bad_model
@@ -215,3 +216,51 @@ def gguf_tensor_unknown(tmp: Path, sources: Sources) -> BadModel:
     parts = tiny_gguf_parts()
     parts.tensors["blk.0.attn_sinks.weight"] = (np.zeros(4, dtype=np.float32), None)
     return gguf_case(tmp, parts, "blk.0.attn_sinks.weight")
+
+
+@bad_model
+def gguf_value_length_not_key_length(tmp: Path, sources: Sources) -> BadModel:
+    parts = tiny_gguf_parts()
+    parts.fields["llama.attention.key_length"] = (16, U32, None)
+    parts.fields["llama.attention.value_length"] = (32, U32, None)
+    return gguf_case(tmp, parts, "llama.attention.value_length")
+
+
+@bad_model
+def gguf_partial_rotary_on_llama(tmp: Path, sources: Sources) -> BadModel:
+    parts = tiny_gguf_parts()
+    parts.fields["llama.rope.dimension_count"] = (8, U32, None)
+    return gguf_case(tmp, parts, "llama.rope.dimension_count")
+
+
+@bad_model
+def gguf_rope_scaling_unknown(tmp: Path, sources: Sources) -> BadModel:
+    parts = tiny_gguf_parts()
+    parts.fields["llama.rope.scaling.type"] = ("longrope", STR, None)
+    return gguf_case(tmp, parts, "llama.rope.scaling.type")
+
+
+@bad_model
+def gguf_llama3_rope_factors(tmp: Path, sources: Sources) -> BadModel:
+    # llama.cpp keeps llama3 RoPE as per-frequency factors, without the parameters
+    parts = tiny_gguf_parts()
+    parts.tensors["rope_freqs.weight"] = (np.ones(8, dtype=np.float32), None)
+    bad = gguf_case(tmp, parts, "rope_freqs.weight")
+    return replace(bad, mentions="llama3")
+
+
+@bad_model
+def gguf_experts_without_a_used_count(tmp: Path, sources: Sources) -> BadModel:
+    # a llama with experts is a Mixtral, which routes each token to expert_used_count
+    parts = tiny_gguf_parts()
+    parts.fields["llama.expert_count"] = (4, U32, None)
+    return gguf_case(tmp, parts, "llama.expert_used_count")
+
+
+@bad_model
+def gguf_dense_layer_in_a_mixtral(tmp: Path, sources: Sources) -> BadModel:
+    # a Mixtral's layers hold experts: the dense FFN of a llama is not one of its tensors
+    parts = tiny_gguf_parts()
+    parts.fields["llama.expert_count"] = (4, U32, None)
+    parts.fields["llama.expert_used_count"] = (2, U32, None)
+    return gguf_case(tmp, parts, next(name for name in parts.tensors if "ffn_gate" in name))

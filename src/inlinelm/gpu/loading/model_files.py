@@ -41,7 +41,9 @@ every file of one set (transformers, short of one, blames a missing sentencepiec
 _TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 # 2: generation_config.json from the GGUF's general.sampling.* keys.
 # 3: else from the model card of a known model (gguf_convert.MODEL_CARD_SAMPLING).
-_FORMAT_VERSION = "3"
+# 4: config.json from the header's fields per family (gguf_config): float32 values as
+#    their shortest decimal (rms_norm_eps 1e-05), the architectures entry set.
+_FORMAT_VERSION = "4"
 
 # generation_config.json key -> SamplingParams field
 _GENERATION_KEYS = {

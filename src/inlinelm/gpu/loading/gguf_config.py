@@ -1,10 +1,9 @@
 """The config.json of a GGUF file: its metadata as transformers' config fields, per family.
 
-Every key is gguf's own (``gguf.Keys``). For the architectures transformers reads
-(``transformers.integrations.ggml.GGUF_CONFIG_MAPPING``), its config is the base
-(``gguf_convert.write_config``); these fields replace what it maps and add what it drops,
-so they hold every field a family needs. Checked against transformers 5.24,
-its GGUF reading gets every family but plain Llama and Qwen2 wrong: a llama file with
+Every key is gguf's own (``gguf.Keys``); these fields are the whole config
+(``gguf_convert.write_config``), every field a family needs. transformers' own GGUF config
+reading (``transformers.integrations.ggml.GGUF_CONFIG_MAPPING``) is not used: checked
+against transformers 5.24, it gets every family but plain Llama and Qwen2 wrong: a llama file with
 experts comes back as a Llama without them, Qwen3's head_dim as 128 whatever the file
 says, Qwen3-MoE's expert width as 768, Gemma 2's soft caps and both Gemmas' query scale as
 the class defaults, Gemma 3's RoPE scaling and all of Phi-3's long RoPE are lost, and

@@ -43,7 +43,8 @@ _TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "ad
 # 3: else from the model card of a known model (gguf_convert.MODEL_CARD_SAMPLING).
 # 4: config.json from the header's fields per family (gguf_config): float32 values as
 #    their shortest decimal (rms_norm_eps 1e-05), the architectures entry set.
-_FORMAT_VERSION = "4"
+# 5: config.json from the header's fields alone (not transformers' GGUF config reading).
+_FORMAT_VERSION = "5"
 
 # generation_config.json key -> SamplingParams field
 _GENERATION_KEYS = {

@@ -92,9 +92,7 @@ def test_unknown_architecture(tiny_copy: Path) -> None:
 
 
 def test_unsupported_rope_scaling(tiny_copy: Path) -> None:
-    _edit_config(
-        tiny_copy, rope_parameters={"rope_type": "proportional", "rope_theta": 10000.0}
-    )
+    _edit_config(tiny_copy, rope_parameters={"rope_type": "proportional", "rope_theta": 10000.0})
     with pytest.raises(ModelLoadError, match="unsupported RoPE type 'proportional'"):
         load_ours(tiny_copy)
 

@@ -29,6 +29,7 @@ BENCHMARKS: list[tuple[str, str, list[str], int]] = [
     ("stop_strings", "stop_strings.py", [], 90),
     ("e2e_cpu", "e2e_cpu.py", [], 480),
     ("ray_scale", "ray_scale.py", [], 300),
+    ("family_step", "family_step.py", [], 300),
 ]
 
 
@@ -81,6 +82,16 @@ def summary(name: str, data: dict) -> str:
             f"2 replicas / 1: {data['scaling']['prefix']['ratio_2_over_1']:.2f}x tokens/s; tight "
             f"cache: hit rate prefix {tight['prefix']['hit_rate']:.0%}, serve {tight['serve']['hit_rate']:.0%}"
         )
+    if name == "family_step":
+        parts = []
+        for batch in (1, 32):
+            rows = [r for r in data["rows"] if r["batch"] == batch]
+            low = min(rows, key=lambda r: r["theirs_over_ours"])
+            parts.append(
+                f"B={batch}: transformers / ours {low['theirs_over_ours']:.2f}x "
+                f"({low['family']}) to {max(r['theirs_over_ours'] for r in rows):.2f}x"
+            )
+        return "; ".join(parts) + f" over {len(data['rows']) // 2} families"
     return "see its table"
 
 

@@ -184,7 +184,8 @@ if [ "$HAS_CUDA" = 1 ]; then
         --junitxml="$OUT/pytest.xml"
 else
     mapfile -t TWINS < <("$PY" benchmarks/gpu_stages.py twins)
-    STATUS="ok: CPU twins (no CUDA)" stage pytest 120 "$PY" -m pytest -q -p no:cacheprovider \
+    # NOTE: 300 s on a CPU: the twins of every model family's device tests run here, off the device's time.
+    STATUS="ok: CPU twins (no CUDA)" stage pytest 300 "$PY" -m pytest -q -p no:cacheprovider \
         --junitxml="$OUT/pytest.xml" "${TWINS[@]}"
 fi
 

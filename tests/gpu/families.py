@@ -65,12 +65,12 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "phi3": {
         "model_type": "phi3",
         "partial_rotary_factor": 0.5,
-        # NOTE: past every test prompt and its 16 tokens. A sequence crossing it is where
-        # transformers' Phi-3 drops its KV cache and re-rotates the whole sequence with the
-        # long factors (Phi3ForCausalLM.prepare_inputs_for_generation); ours keeps the
-        # short-rotated keys (see inlinelm.gpu.model.rope); the long rows themselves are
-        # checked against transformers in tests/gpu/model/test_rope.py.
-        "original_max_position_embeddings": 64,
+        # NOTE: the test prompts (1, 5, 17, 18 and 34 tokens) with their 16 tokens: two stay
+        # below it, two cross it while decoding (where transformers' Phi-3 drops its KV
+        # cache and encodes the whole sequence again with the long factors:
+        # Phi3ForCausalLM.prepare_inputs_for_generation; we recompute it so), and one is
+        # past it from its first token.
+        "original_max_position_embeddings": 20,
         "max_position_embeddings": 256,
         "rope_scaling": {
             "type": "longrope",

@@ -14,6 +14,7 @@ from inlinelm.gpu.loading.weights import load_model
 from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.models.decoder import DecoderModel
 from inlinelm.gpu.model.registry import read_model_config
+from inlinelm.gpu.model.rope import long_context_from
 
 BLOCK_SIZE = 16
 PROMPTS = [
@@ -155,7 +156,18 @@ def prefill_logits(model: DecoderModel, ids: list[int]) -> torch.Tensor:
     )
     model.layers[0].self_attn.backend.prepare(meta, BLOCK_SIZE)
     with torch.inference_mode():
-        return model(torch.tensor(ids), torch.arange(n), driver.caches, meta, torch.arange(n))
+        return model(torch.tensor(ids), rope_rows(model, n), driver.caches, meta, torch.arange(n))
+
+
+def rope_rows(model: DecoderModel, n: int) -> torch.Tensor:
+    """The RoPE rows of one sequence of ``n`` tokens: its positions, but for a longrope
+    sequence past the original length, the long rows after the table's ``max_positions``
+    (:mod:`inlinelm.gpu.model.rope`; the engine's InputBatch picks them so)."""
+    positions = torch.arange(n)
+    limit = long_context_from(model.config.rope)
+    if limit is None or n <= limit:
+        return positions
+    return torch.where(positions < limit, positions + model.max_positions, positions)
 
 
 def reference_greedy(ref: Any, ids: list[int], max_new_tokens: int) -> list[int]:

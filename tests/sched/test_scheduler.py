@@ -35,11 +35,12 @@ class Harness:
         num_blocks: int,
         *,
         pipelined: bool = False,
+        long_context_from: int | None = None,
     ):
         self.config = config
         self.pipelined = pipelined
         self.in_flight: list[SchedulerOutput] = []
-        self.scheduler = Scheduler(config, num_blocks, EOS)
+        self.scheduler = Scheduler(config, num_blocks, EOS, long_context_from)
         self.runner = EchoRunner(config, num_blocks, EOS, check_kv=True)
         self.requests: dict[str, Request] = {}
         self.outputs: dict[str, list[EngineCoreOutput]] = defaultdict(list)
@@ -272,6 +273,42 @@ def test_preempted_request_keeps_its_output_and_recomputes_it() -> None:
     assert harness.requests["new"].num_output_tokens > 0
     harness.run()
     assert harness.tokens("new") == EchoRunner.expected(list(range(30, 40)), 12, eos_token_id=EOS)
+
+
+def test_a_request_growing_past_long_context_from_is_computed_again_once(
+    pipelined: bool,
+) -> None:
+    # A longrope model rotates every position of a sequence past its original length with
+    # the long factors: the step a request would pass 12 tokens, it is computed again from
+    # its first token, and from then on decodes as usual.
+    harness = Harness(config(), 64, pipelined=pipelined, long_context_from=12)
+    prompt = list(range(10, 20))
+    request = harness.add("r", prompt, max_tokens=8)
+    computed: list[tuple[int, int]] = []
+    while harness.scheduler.has_unfinished_requests() or harness.in_flight:
+        batch = harness.step()
+        computed += [(item.start, item.num_tokens) for item in batch.scheduled]
+    assert computed == [(0, 10), (10, 1), (11, 1), (0, 13), (13, 1), (14, 1), (15, 1), (16, 1)]
+    assert request.num_preemptions == 1 and request.long_context
+    assert harness.tokens("r") == EchoRunner.expected(prompt, 8, eos_token_id=EOS)
+    harness.assert_all_blocks_free()
+
+
+def test_long_context_blocks_are_cached_apart_from_a_shorter_sequences() -> None:
+    harness = Harness(config(), 64, long_context_from=12)
+    prefix = list(range(100, 108))  # two full blocks
+    longer = [*prefix, *range(50, 56)]  # 14 tokens: a long-context sequence from the start
+
+    def first_chunk(request_id: str, prompt: list[int]) -> int:
+        harness.add(request_id, prompt, max_tokens=1)
+        batch = harness.step()
+        harness.run()
+        return batch.scheduled[0].num_tokens
+
+    assert first_chunk("short", prefix) == 8
+    assert first_chunk("long", longer) == 14  # the short sequence's blocks hold other KV
+    assert first_chunk("long again", longer) == 2  # three long-context blocks hit
+    assert first_chunk("short again", prefix) == 4  # a short one hits the short blocks
 
 
 def test_eos_finishes_with_stop(pipelined: bool) -> None:

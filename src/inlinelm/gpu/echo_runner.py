@@ -40,6 +40,7 @@ class EchoRunner:
         check_kv: bool = False,
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
+        self.long_context_from: int | None = None
         self.eos_token_id = eos_token_id
         self.block_size = config.block_size
         self.step_s = config.echo_step_s

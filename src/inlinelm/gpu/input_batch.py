@@ -27,7 +27,7 @@ class StepInputs:
     """Flat inputs of one forward pass, as numpy arrays (the runner moves them to the device)."""
 
     input_ids: IntArray
-    positions: IntArray
+    positions: IntArray  # each token's row of the RoPE table (its position, but see prepare)
     slot_mapping: IntArray
     query_start_loc: IntArray
     seq_lens: IntArray
@@ -87,9 +87,17 @@ class SamplingColumns:
 class InputBatch:
     """Token ids and block tables of every live request, in preallocated arrays."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        long_context_from: int | None = None,
+    ) -> None:
         max_blocks = -(-max_model_len // block_size)
         self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.long_context_from = long_context_from
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
@@ -148,7 +156,10 @@ class InputBatch:
 
         ``num_computed`` counts the tokens before this step's (steps in flight included);
         ``samples`` says which rows sample. A token at or past a row's ``num_tokens`` was
-        sampled by a step in flight: it goes into ``pending_tokens``.
+        sampled by a step in flight: it goes into ``pending_tokens``. With
+        ``long_context_from`` (longrope), a sequence longer than that reads its first
+        positions' RoPE rows after the ``max_model_len`` ones (see
+        :mod:`inlinelm.gpu.model.rope`).
         """
         total = int(num_scheduled.sum())
         if total == len(rows):  # a decode step: one token per row, nothing to repeat
@@ -167,9 +178,18 @@ class InputBatch:
         sampling_positions = np.flatnonzero(samples)
         known = positions < self.num_tokens[row_of_token]
         pending_tokens = np.flatnonzero(~known)
+        rope_rows = positions
+        if self.long_context_from is not None:
+            # NOTE: a sequence's length is its known tokens, or its last position + 1 when a
+            # step in flight holds its last token (the scheduler's count, the same number).
+            lengths = np.maximum(self.num_tokens[row_of_token], positions + 1)
+            if total != len(rows):
+                lengths = np.maximum(lengths, np.repeat(seq_lens, num_scheduled))
+            long = (lengths > self.long_context_from) & (positions < self.long_context_from)
+            rope_rows = np.where(long, positions + self.max_model_len, positions)
         return StepInputs(
             input_ids=np.where(known, self.token_ids[row_of_token, positions], 0),
-            positions=positions,
+            positions=rope_rows,
             slot_mapping=block_ids * self.block_size + positions % self.block_size,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,

@@ -30,6 +30,7 @@ from inlinelm.gpu.loading.weights import load_model
 from inlinelm.gpu.model.kernels import make_kernels
 from inlinelm.gpu.model.layers.moe import SparseMoE
 from inlinelm.gpu.model.models.decoder import DecoderModel
+from inlinelm.gpu.model.rope import long_context_from
 from inlinelm.gpu.model_fit import DTYPES, ModelFit, check_model_fits
 from inlinelm.gpu.model_memory import return_free_heap
 from inlinelm.gpu.sampling.sampler import Sampler, flashinfer_sampling
@@ -68,7 +69,10 @@ class ModelRunner:
         self.kv_spec = fit.kv_spec or self._size_kv_cache(free_at_start)
         self.num_kv_blocks = self.kv_spec.num_blocks
         self.kv_caches = self._allocate_kv_cache()
-        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
+        self.long_context_from = long_context_from(self.model_config.rope)
+        self.batch = InputBatch(
+            config.max_num_seqs, self.max_model_len, config.block_size, self.long_context_from
+        )
         self._init_step_state()
         # Loading freed its temporaries (file reads, unpacked copies) into malloc's arenas.
         return_free_heap()

@@ -15,8 +15,10 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-# The parent hash of a sequence's first block.
+# The parent hash of a sequence's first block, and of a long-context sequence's first block
+# (``Request.long_context``: the same tokens, other KV).
 ROOT_HASH = 0
+LONG_CONTEXT_ROOT_HASH = 1
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:

@@ -79,7 +79,9 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.runner = runner
-        self.scheduler = Scheduler(config, runner.num_kv_blocks, eos_token_id)
+        self.scheduler = Scheduler(
+            config, runner.num_kv_blocks, eos_token_id, runner.long_context_from
+        )
         self._sink = sink
         self._inputs: queue.SimpleQueue[EngineCoreInput] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
-from inlinelm.sched.block_pool import ROOT_HASH, BlockPool, hash_block
+from inlinelm.sched.block_pool import LONG_CONTEXT_ROOT_HASH, ROOT_HASH, BlockPool, hash_block
 from inlinelm.sched.request import Request
 
 
@@ -143,7 +143,8 @@ class KVCacheManager:
     def _hash_full_blocks(self, request: Request, num_blocks: int) -> None:
         hashes = request.block_hashes
         for index in range(len(hashes), num_blocks):
-            parent = hashes[-1] if hashes else ROOT_HASH
+            root = LONG_CONTEXT_ROOT_HASH if request.long_context else ROOT_HASH
+            parent = hashes[-1] if hashes else root
             hashes.append(hash_block(parent, self._tokens(request, index)))
 
     def _tokens(self, request: Request, index: int) -> list[int]:

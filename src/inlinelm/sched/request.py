@@ -86,8 +86,11 @@ class Request:
     # Prompt tokens served from the prefix cache at first admission.
     num_cached_tokens: int = 0
     # Chain hashes of the full blocks of ``all_token_ids`` computed so far (a pure function
-    # of the tokens, so they stay valid across preemption).
+    # of the tokens and ``long_context``, so they stay valid across preemption).
     block_hashes: list[int] = field(default_factory=list)
+    # Computed as a sequence past the runner's ``long_context_from`` (set once it is admitted
+    # that long; its blocks hash apart from the same tokens' in a shorter sequence).
+    long_context: bool = False
     num_preemptions: int = 0
     # Scheduled in a step whose output is not applied yet (only with a pipelined runner can
     # these be nonzero when the next step is scheduled): tokens being computed, and tokens

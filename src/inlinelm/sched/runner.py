@@ -22,6 +22,9 @@ class Runner(Protocol):
     """What the engine thread calls to run one step (the model, or the echo runner)."""
 
     num_kv_blocks: int
+    long_context_from: int | None
+    """A request whose sequence grows past this many tokens is computed again from its first
+    token, once (a longrope model's positions all rotate differently past it); None: never."""
 
     def start_on_thread(self) -> None:
         """Called once on the engine thread before its first step: set up what belongs to

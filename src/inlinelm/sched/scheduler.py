@@ -17,7 +17,9 @@ Policy, in order of precedence:
 2. When a running request needs a block and none is free, the running request with the
    highest ``priority`` value (latest admitted among equals) that is not yet scheduled in
    this step is preempted by recompute: its blocks are freed and it goes back to waiting,
-   keeping its output. No new request is admitted in a step that preempted.
+   keeping its output. No new request is admitted in a step that preempted. A request
+   that grows past the runner's ``long_context_from`` is preempted so too, once, and
+   computed again from its first token (longrope models).
 3. Then waiting requests are admitted in (priority, arrival) order, reusing their longest
    cached prefix, while blocks, budget and the sequence cap allow. The head of the queue is
    never skipped, so nobody starves behind later arrivals.
@@ -62,8 +64,10 @@ class Scheduler:
         config: EngineConfig,
         num_kv_blocks: int,
         eos_token_id: int | None,
+        long_context_from: int | None = None,
     ) -> None:
         self.config = config
+        self.long_context_from = long_context_from
         self.eos_token_id = eos_token_id
         self.kv_cache = KVCacheManager(
             num_kv_blocks, config.block_size, enable_caching=config.enable_prefix_caching
@@ -180,12 +184,17 @@ class Scheduler:
         prefills: list[tuple[Request, int]] = []
         max_model_len = self.max_model_len
         block_size = self.config.block_size
+        long_from = self.long_context_from
         running = RequestStatus.RUNNING
         for request in self.running[:]:  # a copy: preempting removes from running
             if request.status is not running:
                 continue  # preempted earlier in this step
             pending = request.num_pending_samples
             num_known = len(request.all_token_ids)
+            if long_from is not None and self._crosses_into_long_context(
+                request, num_known + pending
+            ):
+                continue
             if pending and (
                 request.grammar is not None
                 or num_known + pending >= max_model_len
@@ -224,7 +233,23 @@ class Scheduler:
             if request is None or not self._admit(request, budget, scheduled):
                 return
 
+    def _crosses_into_long_context(self, request: Request, length: int) -> bool:
+        """Whether ``request``, about to be ``length`` tokens long, must first be computed again
+        as a long-context sequence (see ``Runner.long_context_from``): it is then preempted,
+        once the step sampling its last token has landed, and re-admitted as one."""
+        limit = self.long_context_from
+        if limit is None or request.long_context or length <= limit:
+            return False
+        # NOTE: after the step in flight lands; preempting now would drop its sample.
+        if not request.num_pending_samples:
+            self._preempt(request)
+        return True
+
     def _admit(self, request: Request, budget: _Budget, scheduled: list[ScheduledRequest]) -> bool:
+        limit = self.long_context_from
+        if limit is not None and not request.long_context and request.num_tokens > limit:
+            request.long_context = True
+            request.block_hashes.clear()  # NOTE: hashed as a shorter sequence's
         computed = self.kv_cache.get_computed_blocks(request)
         num_new = request.num_tokens - computed.num_tokens
         num_tokens = self._num_tokens_to_schedule(num_new, budget)

@@ -199,13 +199,16 @@ def test_a_prompt_below_the_original_length_matches_transformers_in_one_forward(
     assert_close(ours(raw, dim)[:4096], expected, getattr(module, "attention_scaling", 1.0))
 
 
-def test_a_longrope_prompt_crossing_the_original_length_is_where_we_differ() -> None:
-    """The module docstring's one divergence: transformers rotates a whole forward that
-    crosses the original length with the long factors; our rows below it keep the short."""
+def test_a_longrope_sequence_past_the_original_length_reads_the_long_rows() -> None:
+    """transformers rotates a whole forward past the original length with the long factors:
+    the rows after ``max_positions`` hold its first positions so; the rows below the
+    original length (a shorter sequence's) hold the short factors, which differ."""
     module = Phi3RotaryEmbedding(transformers.Phi3Config(**copy.deepcopy(PHI3)))
     expected = reference(module, torch.arange(4100))
     table = ours(PHI3, 32, 4100)
-    assert_close(table[4096:], expected[4096:], module.attention_scaling)
+    assert table.shape[0] == 4100 + 4096
+    assert_close(table[4096:4100], expected[4096:], module.attention_scaling)
+    assert_close(table[4100:], expected[:4096], module.attention_scaling)
     assert (table[1:4096].double() - expected[1:4096, :32]).abs().max() > 0.5
 
 

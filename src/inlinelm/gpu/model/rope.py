@@ -15,11 +15,19 @@ forward from ``seq_len = max(position_ids) + 1``. A table must not depend on the
 row ``p`` holds what transformers computes for a forward whose largest position is ``p``:
 dynamic's base grows with ``p + 1`` once that passes ``max_position_embeddings``; longrope
 takes its short factors below ``original_max_position_embeddings`` and its long ones from
-there on. That is transformers exactly when decoding one token at a time, and for any forward
-that stays below the original length. It differs for one forward that crosses it (a prompt
-prefilled in one go): transformers rotates every token of it with the frequencies of its
-last position, we rotate each token with its own. (Transformers' dynamic type also keeps a
-grown base for a later, shorter forward past the original length; ours does not.)
+there on. For dynamic that is transformers exactly when decoding one token at a time, and
+for any forward that stays below the original length; one forward that crosses it (a prompt
+prefilled in one go) differs: transformers rotates every token of it with the frequencies of
+its last position, we rotate each token with its own. (Transformers' dynamic type also keeps
+a grown base for a later, shorter forward past the original length; ours does not.)
+
+Longrope matches transformers' Phi-3 exactly: a sequence longer than the original length
+rotates every position with the long factors (its Phi-3 drops its cache the first time a
+sequence passes that length and encodes it again). A longrope table therefore has
+``original_max_position_embeddings`` more rows after the ``max_positions`` ones: positions
+``0 ..`` with the long factors, which a sequence past :func:`long_context_from` reads
+(:meth:`~inlinelm.gpu.input_batch.InputBatch.prepare` picks the rows; the scheduler
+recomputes a sequence the step it crosses).
 """
 
 from __future__ import annotations
@@ -119,15 +127,27 @@ def check_rotary_dim(rope: RopeConfig, rotary_dim: int, path: str | None = None)
 
 
 def cos_sin_cache(rope: RopeConfig, rotary_dim: int, max_positions: int) -> torch.Tensor:
-    """The [max_positions, rotary_dim] float32 table of ``rope``: the cosines of the
-    ``rotary_dim / 2`` frequencies at each position, then their sines (FlashInfer's
-    layout, which :class:`~inlinelm.gpu.model.kernels.RopeInputs` describes), both times
-    the attention factor. Raises as :func:`check_rotary_dim` does."""
+    """The [rows, rotary_dim] float32 table of ``rope``: the cosines of the ``rotary_dim /
+    2`` frequencies at each position, then their sines (FlashInfer's layout, which
+    :class:`~inlinelm.gpu.model.kernels.RopeInputs` describes), both times the attention
+    factor. ``rows`` is ``max_positions``, and for longrope up to
+    ``original_max_position_embeddings`` more: its first positions with the long factors
+    (see the module's doc). Raises as :func:`check_rotary_dim` does."""
     check_rotary_dim(rope, rotary_dim)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * _inv_freq(rope, rotary_dim, max_positions)
+    if long_context_from(rope) is not None:
+        first = positions[: rope.original_max_position_embeddings]
+        freqs = torch.cat((freqs, first[:, None] * _longrope_inv_freq(rope, rotary_dim)[1]))
     # NOTE: transformers scales cos and sin after computing them (x 1.0 is exact).
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope.attention_factor
+
+
+def long_context_from(rope: RopeConfig) -> int | None:
+    """The length past which every position of a sequence rotates differently, so a sequence
+    that grows past it is encoded again from its first token: longrope's original length
+    (None for the other types)."""
+    return rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
 
 
 class _Table:
@@ -302,10 +322,7 @@ def _inv_freq(rope: RopeConfig, dim: int, num_positions: int) -> torch.Tensor:
     if rope.rope_type == "dynamic":
         return _dynamic_inv_freq(rope, dim, num_positions)
     if rope.rope_type == "longrope":
-        short, long = (
-            1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta ** _exponents(dim))
-            for factors in (rope.short_factor, rope.long_factor)
-        )
+        short, long = _longrope_inv_freq(rope, dim)
         past_original = torch.arange(num_positions) >= rope.original_max_position_embeddings
         return torch.where(past_original[:, None], long, short)
     inv_freq = 1.0 / (rope.theta ** _exponents(dim))
@@ -316,6 +333,15 @@ def _inv_freq(rope: RopeConfig, dim: int, num_positions: int) -> torch.Tensor:
     if rope.rope_type == "yarn":
         return _yarn_inv_freq(rope, dim)
     return inv_freq
+
+
+def _longrope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longrope's inverse frequencies with its short factors, and with its long ones."""
+    short, long = (
+        1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta ** _exponents(dim))
+        for factors in (rope.short_factor, rope.long_factor)
+    )
+    return short, long
 
 
 def _exponents(dim: int) -> torch.Tensor:

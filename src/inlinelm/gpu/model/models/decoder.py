@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.attention.metadata import AttentionBackend, AttentionMetadata
 from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.kernels import Kernels, TorchKernels
@@ -24,6 +25,7 @@ from inlinelm.gpu.model.layers.mlp import GatedMLP
 from inlinelm.gpu.model.layers.moe import SparseMoE
 from inlinelm.gpu.model.layers.norm import RMSNorm
 from inlinelm.gpu.model.layers.rotary import RotaryEmbedding
+from inlinelm.gpu.model.rope import long_context_from
 
 
 def make_mlp(cfg: ModelConfig, index: int, kernels: Kernels) -> nn.Module:
@@ -98,12 +100,8 @@ class DecoderModel(nn.Module):
             self.layer_class(cfg, i, backend, self.kernels) for i in range(cfg.num_layers)
         )
         self.norm = norm(cfg, self.kernels)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.rotated_dim, max_positions)
-        self.local_rotary = (
-            RotaryEmbedding(cfg.local_rope, cfg.rotated_dim, max_positions)
-            if cfg.local_rope is not None
-            else None
-        )
+        self.max_positions = max_positions
+        self.rotary, self.local_rotary = _rotary_tables(cfg, max_positions)
         # NOTE: with tied embeddings the loader copies the embedding into lm_head's
         # transposed layout (one extra copy of the matrix, read at the faster rate).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -112,11 +110,10 @@ class DecoderModel(nn.Module):
         """Rebuild the RoPE tables for ``max_positions`` (the loader builds the model on
         the meta device with one position, then calls this on the real one)."""
         device = self.embed_tokens.weight.device
-        cfg = self.config
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.rotated_dim, max_positions).to(device)
-        if cfg.local_rope is not None:
-            local = RotaryEmbedding(cfg.local_rope, cfg.rotated_dim, max_positions)
-            self.local_rotary = local.to(device)
+        rotary, local = _rotary_tables(self.config, max_positions)
+        self.max_positions = max_positions
+        self.rotary = rotary.to(device)
+        self.local_rotary = local.to(device) if local is not None else None
 
     def forward(
         self,
@@ -148,3 +145,16 @@ class DecoderModel(nn.Module):
         """The LM head's output as the family's reference returns it (Granite divides it)."""
         divisor = self.config.logits_divisor
         return logits if divisor == 1.0 else logits / divisor
+
+
+def _rotary_tables(
+    cfg: ModelConfig, max_positions: int
+) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """The global layers' RoPE table and the local layers' (None when they share one)."""
+    if cfg.local_rope is not None and long_context_from(cfg.rope) is not None:
+        # NOTE: the long rows' offsets would index the local table past its end.
+        raise ModelLoadError("longrope with a separate RoPE for local layers is not supported")
+    rotary = RotaryEmbedding(cfg.rope, cfg.rotated_dim, max_positions)
+    if cfg.local_rope is None:
+        return rotary, None
+    return rotary, RotaryEmbedding(cfg.local_rope, cfg.rotated_dim, max_positions)

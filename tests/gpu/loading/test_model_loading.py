@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +173,36 @@ def test_a_gguf_already_converted_is_not_read_again_before_a_start(
     monkeypatch.setattr(model_files, "_FORMAT_VERSION", "not-converted")
     assert model_files.check_model(str(path)) == path
     assert read == [path]
+
+
+def test_processes_starting_on_one_gguf_at_once_convert_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two engines (or two test workers) started on a file not yet converted: each would
+    # convert it, and the later rename would delete the folder the first one is loading.
+    monkeypatch.setenv("INLINELM_CACHE", str(tmp_path / "cache"))
+    path = model_files.default_model_path()
+    convert = model_files._convert_gguf
+    calls: list[Path] = []
+
+    def counted(source: Path, out: Path) -> None:
+        calls.append(out)
+        convert(source, out)
+
+    monkeypatch.setattr(model_files, "_convert_gguf", counted)
+    start = threading.Barrier(2, timeout=60)
+    folders: list[Path] = []
+
+    def resolve() -> None:
+        start.wait()  # NOTE: both ask before either has converted (a conversion takes seconds)
+        folders.append(model_files._from_gguf(path))
+
+    threads = [threading.Thread(target=resolve) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert len(folders) == 2 and folders[0] == folders[1]
+    assert len(calls) == 1
+    assert (folders[0] / "DONE").is_file()
+    assert not [p for p in folders[0].parent.iterdir() if p.is_dir() and p != folders[0]]

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import filelock
+
 from inlinelm.errors import ModelLoadError, RequestError
 from inlinelm.gpu.model.registry import read_model_config
 from inlinelm.sampling_params import SamplingParams
@@ -305,23 +307,27 @@ _DIGESTS: dict[tuple[str, int, int], str] = {}
 
 
 def _from_gguf(path: Path) -> Path:
-    """The folder ``path`` was converted into (converting it on first use)."""
+    """The folder ``path`` was converted into (converting it on first use). Processes that
+    start on one file at once convert it once: the others wait on a lock beside the folder."""
     folder = _converted_folder(path)
     key = folder.name
     if (folder / "DONE").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    # NOTE: build in a temporary sibling and rename, so a crash never leaves half a cache.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=folder.parent))
-    try:
-        _convert_gguf(path, tmp)
-        (tmp / "DONE").write_text(str(path))
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with filelock.FileLock(folder.parent / f".{key}.lock"):
+        if (folder / "DONE").is_file():  # NOTE: another process converted it while we waited
+            return folder
+        # NOTE: build in a temporary sibling and rename, so a crash never leaves half a cache.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=folder.parent))
+        try:
+            _convert_gguf(path, tmp)
+            (tmp / "DONE").write_text(str(path))
+            if folder.exists():  # NOTE: left by a crash before DONE (an older format)
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

@@ -283,6 +283,8 @@ def assert_bar_closed(terminal: Terminal) -> None:
 
 
 def case_interrupted_while_running(engine: Engine, call: Call, send: Callable[[], None]) -> None:
+    assert_drained(engine)  # NOTE: "running" below must be this call's request
+
     def script() -> None:
         poll(lambda: running(engine), "the request to run")
         send()
@@ -325,6 +327,9 @@ def case_interrupted_while_starting(engine: Engine) -> None:
     # The interrupt left the start alone: the engine comes up and serves.
     outs = engine.generate("after the start", max_tokens=3, ignore_eos=True, use_tqdm=False)
     assert len(outs[0].token_ids) == 3
+    # NOTE: the interrupted call's request, submitted once the start went on, is aborted:
+    # nothing of it may still run when the next case waits for its own request to run.
+    assert_drained(engine)
 
 
 def case_interrupted_twice(engine: Engine) -> None:

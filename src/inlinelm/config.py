@@ -14,6 +14,7 @@ from inlinelm.sampling_params import SamplingParams
 
 RunnerKind = Literal["model", "echo"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+QuantizationName = Literal["auto", "int8", "none"]
 AttentionBackendName = Literal["auto", "flashinfer", "torch"]
 
 DEFAULT_CUDA_GRAPH_MEMORY_BYTES = 512 * 1024**2
@@ -113,6 +114,10 @@ class EngineConfig:
     device: str = "cpu"
     # "auto": bfloat16 on CUDA, float32 elsewhere (see model_dtype).
     dtype: DTypeName = "auto"
+    # Linear layers' weights as int8 (per output channel) on a CPU: "auto" for the layers a
+    # GGUF file holds quantized (float checkpoints stay float), "int8" for every one, "none"
+    # to dequantize them all to dtype. CUDA keeps float weights (see weight_quantization).
+    quantization: QuantizationName = "auto"
     # "auto": FlashInfer (attention, norms, RoPE, SiLU) on CUDA when it imports, else torch.
     attention_backend: AttentionBackendName = "auto"
     # CPU intra-op threads; None: the cores other processes leave idle, re-checked every
@@ -187,6 +192,14 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def weight_quantization(self) -> str:
+        """``quantization`` for ``device``: as given on a CPU; on CUDA ``"none"`` for
+        ``"auto"`` (int8 here are CPU kernels; an explicit ``"int8"`` is refused when made)."""
+        if self.device.startswith("cuda") and self.quantization == "auto":
+            return "none"
+        return self.quantization
 
     @property
     def kv_cache_budget(self) -> int | None:
@@ -266,13 +279,22 @@ class EngineConfig:
             raise ConfigError(
                 f"runner must be 'model' or 'echo', got {self.runner!r}", option="runner"
             )
-        for name, kinds in (("dtype", DTypeName), ("attention_backend", AttentionBackendName)):
+        for name, kinds in (
+            ("dtype", DTypeName),
+            ("attention_backend", AttentionBackendName),
+            ("quantization", QuantizationName),
+        ):
             value = getattr(self, name)
             if value not in get_args(kinds):
                 raise ConfigError(
                     f"{name} must be one of {', '.join(get_args(kinds))}, got {value!r}",
                     option=name,
                 )
+        if self.quantization == "int8" and self.device.startswith("cuda"):
+            raise ConfigError(
+                "quantization='int8' runs on a CPU only; CUDA keeps bfloat16 weights",
+                option="quantization",
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 "gpu_memory_utilization must be in (0, 1]", option="gpu_memory_utilization"

@@ -26,7 +26,7 @@ PROMPTS = [
 ]
 
 
-def load_ours(folder: Path) -> DecoderModel:
+def load_ours(folder: Path, quantization: str = "none") -> DecoderModel:
     cfg = read_model_config(folder)
     backend = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     return load_model(
@@ -36,6 +36,7 @@ def load_ours(folder: Path) -> DecoderModel:
         device=torch.device("cpu"),
         backend=backend,
         max_positions=2048,
+        quantization=quantization,
     )
 
 

@@ -104,6 +104,7 @@ class ModelRunner:
             backend=self.backend,
             max_positions=self.max_model_len,
             kernels=make_kernels(self.kernels_kind),
+            quantization=self.config.weight_quantization,
         )
 
     def _size_kv_cache(self, free_at_start: int | None) -> KVCacheSpec:

@@ -26,11 +26,13 @@ from inlinelm import Engine, SamplingParams
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.loading.gguf_names import FAMILIES, TensorNames, family_of
 from inlinelm.gpu.loading.model_files import resolve_model
+from inlinelm.gpu.loading.quantization import stored_types
+from inlinelm.gpu.model.layers.linear import Linear
 from inlinelm.gpu.model.registry import parse_config
 from tests.conftest import make_tiny_model
 from tests.gpu.families import FAMILY_CONFIGS
 from tests.gpu.loading.gguf_writer import F32, GGUF_ARCHS, Q8_0, write_family_gguf
-from tests.gpu.reference import load_reference
+from tests.gpu.reference import load_ours, load_reference
 
 GGUF_CHANGES: dict[str, dict[str, Any]] = {
     # llama.cpp runs Mixtral as the llama architecture, which has no sliding window
@@ -201,9 +203,11 @@ def _rounding_bounds(
 
 
 def greedy(model: Path) -> Greedy:
-    """The engine's greedy tokens for each prompt, with the top-2 logprob gap at each."""
+    """The engine's greedy tokens for each prompt, with the top-2 logprob gap at each: with
+    the file's own values dequantized (``quantization="none"``; these tests check the
+    conversion, tests/gpu/model/test_int8.py the int8 layers)."""
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
-    engine = Engine(model=str(model), num_threads=1, max_num_seqs=2)
+    engine = Engine(model=str(model), num_threads=1, max_num_seqs=2, quantization="none")
     try:
         outputs = engine.generate(PROMPTS, params, use_tqdm=False)
     finally:
@@ -254,6 +258,19 @@ def test_the_q8_0_file_decodes_as_its_folder_but_at_the_near_ties_it_may_flip(
     total = NEW_TOKENS * len(PROMPTS)
     print(f"{family} Q8_0: {agreed}/{total} greedy tokens as the folder's; parted {parted}")
     assert agreed >= total // 2, f"{family}: {agreed} tokens agree"
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_the_conversion_records_each_tensors_stored_type(models: Models, qtype: str) -> None:
+    # What quantization="auto" reads: a Q8_0 file's linear weights were stored quantized
+    # (its norms stay F32, as llama.cpp writes them); an F32 file's were not.
+    types = stored_types(models.converted("qwen3", qtype))
+    weights = [name for name in types if name.endswith(("proj.weight", "embed_tokens.weight"))]
+    assert weights and all(types[name] == qtype for name in weights)
+    assert types["model.norm.weight"] == "F32"
+    model = load_ours(models.converted("qwen3", qtype), "auto")
+    int8 = [m.is_int8 for m in model.modules() if isinstance(m, Linear)]
+    assert int8 and all(int8) == (qtype == "Q8_0") and any(int8) == (qtype == "Q8_0")
 
 
 def test_yarn_rope_converts(tmp_path: Path, tokenizer_dir: Path, models: Models) -> None:

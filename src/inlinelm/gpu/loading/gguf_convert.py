@@ -17,6 +17,7 @@ from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.loading.gguf_header import GgufHeader, open_gguf, read_header
 from inlinelm.gpu.loading.gguf_names import TensorNames
 from inlinelm.gpu.loading.gguf_tensors import check_room, check_tensors, dequantize_all
+from inlinelm.gpu.loading.quantization import GGUF_TYPES_FILE
 from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.registry import parse_config
 from inlinelm.progress import progress_bar
@@ -67,9 +68,10 @@ def convert_gguf(path: Path, out: Path) -> None:
     names = TensorNames(header.family)
     check_tensors(reader, path, header, names)
     check_room(reader, path, out)
-    tensors = dequantize_all(reader, path, header, names)
+    tensors, types = dequantize_all(reader, path, header, names)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     del tensors
+    (out / GGUF_TYPES_FILE).write_text(json.dumps(types, indent=1, sort_keys=True))
     _convert_tokenizer(path, out)
     generation = _sampling_fields(reader) or dict(MODEL_CARD_SAMPLING.get(_identity(reader), {}))
     if generation:

@@ -125,11 +125,13 @@ def _can_dequantize(tensor_type: Any) -> bool:
 
 def dequantize_all(
     reader: Any, path: Path, header: GgufHeader, names: TensorNames
-) -> dict[str, torch.Tensor]:
-    """Every weight of the file as the float32 tensors transformers saves, by name."""
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every weight of the file as the float32 tensors transformers saves, by name, and the
+    GGUF type each came from (``"Q4_K"``, ``"F32"``, ...), by the same names."""
     import gguf
 
     tensors: dict[str, torch.Tensor] = {}
+    types: dict[str, str] = {}
     items = [t for t in reader.tensors if t.name not in names.config]
     total = sum(int(t.n_bytes) for t in items)
     done = 0
@@ -138,7 +140,9 @@ def dequantize_all(
         for i, t in enumerate(items):
             bid, tensor = _lookup(names, t.name)
             array = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-            tensors.update(_undo(array, bid, tensor, header))
+            undone = dict(_undo(array, bid, tensor, header))
+            tensors.update(undone)
+            types.update(dict.fromkeys(undone, t.tensor_type.name))
             done += int(t.n_bytes)
             bar.update(int(t.n_bytes))
             if i % 40 == 0 or i == len(items) - 1:
@@ -149,7 +153,7 @@ def dequantize_all(
                     done / 2**20,
                     total / 2**20,
                 )
-    return tensors
+    return tensors, types
 
 
 def _lookup(names: TensorNames, name: str) -> tuple[int | None, GgufTensor]:

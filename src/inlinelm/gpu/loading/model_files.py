@@ -46,7 +46,8 @@ _TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "ad
 # 4: config.json from the header's fields per family (gguf_config): float32 values as
 #    their shortest decimal (rms_norm_eps 1e-05), the architectures entry set.
 # 5: config.json from the header's fields alone (not transformers' GGUF config reading).
-_FORMAT_VERSION = "5"
+# 6: each tensor's stored GGUF type beside the weights (quantization.GGUF_TYPES_FILE).
+_FORMAT_VERSION = "6"
 
 # generation_config.json key -> SamplingParams field
 _GENERATION_KEYS = {

@@ -20,6 +20,7 @@ import torch
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.attention.metadata import AttentionBackend
 from inlinelm.gpu.loading.model_files import weight_files
+from inlinelm.gpu.loading.quantization import int8_modules, stored_types
 from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.kernels import Kernels
 from inlinelm.gpu.model.layers.linear import Linear, onednn_packing_available
@@ -51,10 +52,13 @@ def load_model(
     backend: AttentionBackend,
     max_positions: int,
     kernels: Kernels | None = None,
+    quantization: str = "none",
 ) -> DecoderModel:
     """Build the model and fill every parameter from ``folder/*.safetensors``.
 
     ``kernels`` defaults to :class:`~inlinelm.gpu.model.kernels.TorchKernels`.
+    ``quantization`` (``"auto"``, ``"int8"`` or ``"none"``; a CPU's) picks the linear layers
+    that keep int8 weights (:mod:`~inlinelm.gpu.loading.quantization`).
 
     Raises ``ModelLoadError`` naming the file and tensor for unreadable or truncated
     files, shape mismatches, non-float tensors (both checked from the header, before the
@@ -71,6 +75,7 @@ def load_model(
     _check_complete(folder, cfg, params, loaded)
     if cfg.tie_word_embeddings:
         model.lm_head.weight_t.data.copy_(model.embed_tokens.weight.data.t())
+    _quantize(model, cfg, folder, quantization)
     if onednn_packing_available(device, dtype):
         _pack_for_onednn(model)
     logger.info("loaded %s weights in %.2f s", folder.name, time.perf_counter() - start)
@@ -80,10 +85,30 @@ def load_model(
     return model.eval()
 
 
+def _quantize(model: DecoderModel, cfg: ModelConfig, folder: Path, mode: str) -> None:
+    """Give the linear layers ``mode`` picks int8 weights (see ``Linear.quantize_int8``)."""
+    if mode == "none":
+        return
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    sources: dict[str, list[str]] = {}
+    types = stored_types(folder)
+    for name in types:
+        target = _target(name, cfg)
+        if target is not None and target.param.endswith(".weight"):
+            sources.setdefault(target.param.removesuffix(".weight"), []).append(name)
+    if cfg.tie_word_embeddings:
+        sources["lm_head"] = ["model.embed_tokens.weight"]
+    chosen = int8_modules(mode, linears, sources, types)
+    refused = [name for name in chosen if not linears[name].quantize_int8()]
+    if refused:
+        logger.warning("int8 refused at %s (this torch has no int8 kernel): float", refused[0])
+    logger.info("int8 weights in %d of %d linear layers", len(chosen) - len(refused), len(linears))
+
+
 def _pack_for_onednn(model: DecoderModel) -> None:
-    """Pack every linear layer for oneDNN; stop at the first that refuses (plain matmuls)."""
+    """Pack every float linear layer for oneDNN; stop at the first that refuses."""
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and not module.pack_for_onednn():
+        if isinstance(module, Linear) and not module.is_int8 and not module.pack_for_onednn():
             logger.warning("oneDNN packing refused at %s: plain matmuls from there on", name)
             return
 

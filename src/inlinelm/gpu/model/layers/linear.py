@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from inlinelm.gpu.model.layers.int8 import int8_kernel, int8_matmul, quantize_rows
+
 
 class Linear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` stored transposed, as ``weight_t`` [in, out].
@@ -25,6 +27,26 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._packed: torch.Tensor | None = None
+        # int8 weights [out, in] and one float32 scale per output channel (quantize_int8)
+        self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def is_int8(self) -> bool:
+        return self._int8 is not None
+
+    def quantize_int8(self) -> bool:
+        """Keep the weight only as int8, one scale per output channel, on a CPU (after
+        loading; not reversible); the inputs stay float (:mod:`.int8` says why and
+        measures it). False, and the layer stays float, where the kernel did not build."""
+        if int8_kernel() is None:
+            return False
+        q, scale = quantize_rows(self.weight_t.data.t())
+        self._int8 = (q, scale)
+        self._packed = None
+        self.weight_t.data = torch.empty(0, dtype=self.weight_t.dtype)
+        if self.bias is not None:
+            self.bias.data = self.bias.data.float()
+        return True
 
     def pack_for_onednn(self) -> bool:
         """Keep the weight only in oneDNN's CPU layout (after loading; not reversible).
@@ -48,6 +70,8 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._int8 is not None:
+            return int8_matmul(x, *self._int8, self.bias)
         if self._packed is not None:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
                 x, self._packed, self.bias, "none", [], ""

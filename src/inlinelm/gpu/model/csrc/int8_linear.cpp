@@ -1,0 +1,155 @@
+// y = x @ (q * scale[:, None]).T (+ bias): float activations, int8 weights with one float
+// scale per output channel. Weight-only: the activations stay float, so the only error is
+// the weights' rounding (activation quantization cost most of the greedy agreement on this
+// project's default model; see inlinelm/gpu/model/layers/int8.py).
+//
+// A few rows (decode) read each weight row once per block of four activation rows and
+// accumulate in float with vector FMAs, compiled for this machine's instructions
+// (-march=native, at first use); many rows (prefill) dequantize a band of weight rows
+// into float and multiply it with torch's GEMM.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#include <immintrin.h>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+inline Vec widen(const int8_t* w) {  // 16 int8 weights as floats
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+inline Vec load(const float* x) { return _mm512_loadu_ps(x); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline float total(Vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+inline Vec widen(const int8_t* w) {  // 8 int8 weights as floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+inline Vec load(const float* x) { return _mm256_loadu_ps(x); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline float total(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+#else
+constexpr int64_t kLanes = 0;  // NOTE: plain loops only
+#endif
+
+// R rows of x (row stride K) against the NB weight rows from n: each weight vector is
+// widened to floats once and multiplied into the R rows' accumulators (NB x R independent
+// FMA chains, which hide the FMA latency even for one row).
+template <int R, int NB>
+inline void micro(const float* x, int64_t K, const int8_t* q, const float* scale,
+                  const float* bias, float* y, int64_t N, int64_t n) {
+  float acc[NB][R] = {};
+  int64_t k = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  Vec v[NB][R];
+  for (int j = 0; j < NB; ++j)
+    for (int r = 0; r < R; ++r) v[j][r] = zero();
+  for (; k + kLanes <= K; k += kLanes) {
+    Vec wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = widen(q + (n + j) * K + k);
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = load(x + r * K + k);
+      for (int j = 0; j < NB; ++j) v[j][r] = fma(xv, wv[j], v[j][r]);
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = total(v[j][r]);
+#endif
+  for (; k < K; ++k)
+    for (int j = 0; j < NB; ++j) {
+      const float wk = static_cast<float>(q[(n + j) * K + k]);
+      for (int r = 0; r < R; ++r) acc[j][r] += x[r * K + k] * wk;
+    }
+  for (int j = 0; j < NB; ++j) {
+    const float b = bias ? bias[n + j] : 0.0f;
+    for (int r = 0; r < R; ++r) y[r * N + n + j] = acc[j][r] * scale[n + j] + b;
+  }
+}
+
+// R rows of x against weight rows [n0, n1), NB weight rows at a time (R x NB accumulators
+// and NB widened weight vectors fit the 32 vector registers).
+template <int R, int NB>
+void dot_block(const float* x, int64_t K, const int8_t* q, const float* scale,
+               const float* bias, float* y, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) micro<R, NB>(x, K, q, scale, bias, y, N, n);
+  for (; n < n1; ++n) micro<R, 1>(x, K, q, scale, bias, y, N, n);
+}
+
+void few_rows(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale,
+              const float* bias, float* y, int64_t N) {
+  // NOTE: a band of 16 weight rows per task: it stays in cache while every block of rows
+  // passes over it.
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    int64_t r = 0;
+    for (; r + 8 <= M; r += 8) dot_block<8, 2>(x + r * K, K, q, scale, bias, y + r * N, N, n0, n1);
+    for (; r + 4 <= M; r += 4) dot_block<4, 4>(x + r * K, K, q, scale, bias, y + r * N, N, n0, n1);
+    for (; r < M; ++r) dot_block<1, 4>(x + r * K, K, q, scale, bias, y + r * N, N, n0, n1);
+  });
+}
+
+}  // namespace
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
+                          const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
+                          int64_t few_rows_max) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous(),
+              "q must be a contiguous 2-D int8 tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.size(1) == K, "x and q disagree on the input size");
+  TORCH_CHECK(scale.numel() == N && scale.scalar_type() == torch::kFloat32, "bad scale");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32, "bad bias");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M <= few_rows_max) {
+    few_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), scale.data_ptr<float>(), b,
+             y.data_ptr<float>(), N);
+    return y;
+  }
+  // NOTE: bands of weight rows, dequantized, then torch's GEMM: a band's floats stay small
+  // (an LM head's whole float copy would not).
+  const int64_t band = std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(K, 1));
+  auto w = torch::empty({std::min(band, N), K}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += band) {
+    const int64_t n1 = std::min(N, n0 + band);
+    auto wb = w.narrow(0, 0, n1 - n0);
+    float* wp = wb.data_ptr<float>();
+    const int8_t* qp = q.data_ptr<int8_t>() + n0 * K;
+    const float* sp = scale.data_ptr<float>() + n0;
+    at::parallel_for(0, n1 - n0, 8, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const float s = sp[i];
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) wp[i * K + k] = static_cast<float>(qp[i * K + k]) * s;
+      }
+    });
+    auto out = y.narrow(1, n0, n1 - n0);
+    if (b != nullptr) {
+      out.copy_(torch::addmm(bias->narrow(0, n0, n1 - n0), x, wb.t()));
+    } else {
+      out.copy_(torch::mm(x, wb.t()));
+    }
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &int8_linear, "float x times int8 weights with per-row scales");
+}

@@ -1,0 +1,176 @@
+"""Int8 weights on a CPU (``quantization``): the kernel, the layers it picks, and quality.
+
+- the kernel computes ``x @ (q * scale).T + b`` to float32's rounding, for every path
+  (row blocks of 8, 4 and 1, weight-row tails, the vector tail of the input size, and
+  the dequantized bands past ``FEW_ROWS_MAX`` rows);
+- a model with int8 weights gives the logits of the same model with its weights replaced
+  by their int8 values (the only error is the weights' rounding), and those are not the
+  float model's (the test would see a kernel that ignored the quantization);
+- ``"auto"`` quantizes what a GGUF file holds quantized and no float checkpoint;
+- on the default model, teacher-forced on float32's greedy answers, int8's top-1 token
+  agrees with float32's at >= 97% of positions.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from inlinelm.config import EngineConfig
+from inlinelm.errors import ConfigError
+from inlinelm.gpu.loading.model_files import resolve_model
+from inlinelm.gpu.model.layers.int8 import FEW_ROWS_MAX, int8_kernel, int8_matmul, quantize_rows
+from inlinelm.gpu.model.layers.linear import Linear
+from tests.gpu.reference import load_ours, logits_atol, prefill_logits
+
+pytestmark = pytest.mark.skipif(int8_kernel() is None, reason="the int8 kernel did not build")
+
+U = torch.finfo(torch.float32).eps / 2
+
+
+def reference(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact product in float64, and float32's bound on a K-term sum's error."""
+    w = q.double() * scale.double()[:, None]
+    exact = x.double() @ w.T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
+    return exact, (x.shape[1] + 2) * U * magnitude + 1e-30
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 16, 33, FEW_ROWS_MAX, FEW_ROWS_MAX + 1])
+@pytest.mark.parametrize(("out", "inp"), [(962, 577), (7, 64), (33, 15)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_kernel_is_the_dequantized_product(
+    rows: int, out: int, inp: int, with_bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + out)
+    q, scale = quantize_rows(torch.randn(out, inp, generator=gen))
+    x = torch.randn(rows, inp, generator=gen) * 3
+    bias = torch.randn(out, generator=gen) if with_bias else None
+    exact, bound = reference(x, q, scale, bias)
+    got = int8_matmul(x, q, scale, bias)
+    assert got.shape == (rows, out) and got.dtype == torch.float32
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_a_batch_of_sequences_and_bfloat16_inputs_keep_their_shape_and_dtype() -> None:
+    q, scale = quantize_rows(torch.randn(24, 32))
+    x = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    got = int8_matmul(x, q, scale, None)
+    assert got.shape == (2, 5, 24) and got.dtype == torch.bfloat16
+    want = int8_matmul(x.float().reshape(10, 32), q, scale, None).reshape(2, 5, 24)
+    torch.testing.assert_close(got, want.bfloat16())
+
+
+def test_rows_are_quantized_symmetrically_within_half_a_step() -> None:
+    weight = torch.randn(16, 40)
+    weight[3] = 0.0
+    q, scale = quantize_rows(weight)
+    assert q.dtype == torch.int8 and scale.shape == (16,)
+    assert scale[3] == 1.0 and (q[3] == 0).all()
+    assert (q.abs().amax(dim=1)[torch.arange(16) != 3] == 127).all()
+    error = (q.float() * scale[:, None] - weight).abs()
+    assert (error <= scale[:, None] / 2 * (1 + 1e-6)).all()
+
+
+def fake_quantized(folder: Path) -> torch.nn.Module:
+    """The float model with each linear weight replaced by its int8 value times its scale."""
+    import inlinelm.gpu.loading.weights as weights
+
+    # NOTE: unpacked (oneDNN's layout is opaque), so the weights can be rewritten
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(weights, "onednn_packing_available", lambda *args: False)
+        model = load_ours(folder)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            q, scale = quantize_rows(module.weight_t.data.t())
+            module.weight_t.data = (q.float() * scale[:, None]).t().contiguous()
+    return model
+
+
+def test_an_int8_model_computes_the_model_of_its_int8_weights(tiny_model_dir: Path) -> None:
+    ids = list(range(5, 45))
+    ours = load_ours(tiny_model_dir, "int8")
+    linears = [m for m in ours.modules() if isinstance(m, Linear)]
+    assert linears and all(m.is_int8 for m in linears)
+    got = prefill_logits(ours, ids)
+    want = prefill_logits(fake_quantized(tiny_model_dir), ids)
+    atol = logits_atol(ours.config, want)
+    torch.testing.assert_close(got, want, rtol=0.0, atol=atol)
+    plain = prefill_logits(load_ours(tiny_model_dir), ids)
+    assert (plain - want).abs().max() > 10 * atol, "int8 weights change the logits"
+
+
+def int8_count(model: torch.nn.Module) -> tuple[int, int]:
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    return sum(m.is_int8 for m in linears), len(linears)
+
+
+@pytest.mark.slow
+def test_auto_quantizes_what_a_gguf_holds_quantized_and_no_float_checkpoint(
+    tiny_model_dir: Path,
+) -> None:
+    default = resolve_model("default").folder  # a Q4_1 GGUF's conversion
+    assert int8_count(load_ours(default, "auto")) == (121, 121)  # the tied head too
+    assert int8_count(load_ours(default, "none"))[0] == 0
+    assert int8_count(load_ours(tiny_model_dir, "auto"))[0] == 0
+    quantized, total = int8_count(load_ours(tiny_model_dir, "int8"))
+    assert quantized == total > 0
+
+
+def test_the_option_is_checked_and_cuda_keeps_float_weights() -> None:
+    with pytest.raises(ConfigError, match="quantization must be one of auto, int8, none"):
+        EngineConfig(quantization="int4")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="CPU only"):
+        EngineConfig(device="cuda", quantization="int8")
+    assert EngineConfig(device="cuda").weight_quantization == "none"
+    assert EngineConfig().weight_quantization == "auto"
+
+
+AGREEMENT = 0.97
+"""Issue 24's bound: measured 0.9756 on this model (int8 with float inputs)."""
+
+
+@pytest.mark.slow
+def test_int8_agrees_with_float32_on_the_default_models_greedy_answers(tokenizer: Any) -> None:
+    from inlinelm import Engine, SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+    from _common import ANSWER, QUESTIONS
+
+    words = ANSWER.split()
+    prompts = []
+    for i in range(32):
+        context = " ".join(words[(i * 7) % len(words) :][: 5 + i * 3])
+        question = QUESTIONS[i % len(QUESTIONS)]
+        content = f"{context}\n\n{question}" if i % 2 else question
+        prompts.append(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+    folder = resolve_model("default").folder
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    with closing(Engine(quantization="none", num_threads=2)) as engine:
+        outs = engine.generate(prompts, params, use_tqdm=False)
+    answers = [list(out.outputs[0].token_ids) for out in outs]
+    float_model, int8_model = load_ours(folder, "none"), load_ours(folder, "auto")
+    agree = total = 0
+    for prompt, answer in zip(prompts, answers, strict=True):
+        ids = [*prompt, *answer]
+        want = prefill_logits(float_model, ids)[len(prompt) - 1 : -1].argmax(-1)
+        got = prefill_logits(int8_model, ids)[len(prompt) - 1 : -1].argmax(-1)
+        agree += int((got == want).sum())
+        total += len(answer)
+    print(f"int8 top-1 agreement with float32: {agree}/{total} = {agree / total:.4f}")
+    assert agree >= AGREEMENT * total

@@ -30,6 +30,7 @@ BENCHMARKS: list[tuple[str, str, list[str], int]] = [
     ("e2e_cpu", "e2e_cpu.py", [], 480),
     ("ray_scale", "ray_scale.py", [], 300),
     ("family_step", "family_step.py", [], 300),
+    ("int8_cpu", "int8_cpu.py", [], 300),
 ]
 
 

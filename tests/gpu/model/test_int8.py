@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -174,3 +175,25 @@ def test_int8_agrees_with_float32_on_the_default_models_greedy_answers(tokenizer
         total += len(answer)
     print(f"int8 top-1 agreement with float32: {agree}/{total} = {agree / total:.4f}")
     assert agree >= AGREEMENT * total
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start() -> None:
+    # torch waits on its build lock for as long as it exists; a build killed midway (a
+    # Ctrl-C during the first start) leaves it behind.
+    import os
+    import subprocess
+
+    from inlinelm.gpu.model.layers import int8
+
+    kernel = int8_kernel()
+    build = Path(kernel.__file__).parent
+    lock = build / "lock"
+    assert not lock.exists(), "no build runs now"
+    lock.touch()
+    old = time.time() - 2 * int8.STALE_LOCK_S
+    os.utime(lock, (old, old))
+    code = "from inlinelm.gpu.model.layers.int8 import int8_kernel; assert int8_kernel()"
+    try:
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    finally:
+        lock.unlink(missing_ok=True)

@@ -38,14 +38,15 @@ MODES = ("none", "auto")
 
 
 def _kernel(name: str, weight: torch.Tensor, x: torch.Tensor) -> Any:
-    from inlinelm.gpu.model.layers.int8 import int8_kernel, quantize_rows
+    from inlinelm.gpu.model.cpu_extension import cpu_extension
+    from inlinelm.gpu.model.layers.int8 import quantize_rows
 
     if name == "float32 oneDNN":
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
         return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     q, scale = quantize_rows(weight)
     if name == "int8 (ours)":
-        kernel = int8_kernel()
+        kernel = cpu_extension()
         return lambda: kernel.int8_linear(x, q, scale, None, 128)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -41,11 +41,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     _guard_real_weights()
-    # NOTE: the int8 kernel builds once per machine (~30 s): here, before any test or the
+    # NOTE: the CPU extension builds once per machine (~40 s): here, before any test or the
     # engines its subprocesses start would each wait on the build.
-    from inlinelm.gpu.model.layers.int8 import int8_kernel
+    from inlinelm.gpu.model.cpu_extension import cpu_extension
 
-    int8_kernel()
+    cpu_extension()
 
 
 def _guard_real_weights() -> None:

@@ -114,3 +114,33 @@ def test_make_serve_installs_only_what_serving_needs_and_make_test_adds_the_extr
     assert "tools/install_torch.py" in test
     assert '-e ".[dev,ray]"' in test
     assert test.index("install_torch.py") < test.index(".[dev,ray]") < test.index("pytest")
+
+
+def test_the_package_ships_every_source_of_the_cpu_extension() -> None:
+    """A wheel holds only what package-data names: a missing header would leave an
+    installed engine without its CPU kernels (the build fails and torch's ops run)."""
+    import ast
+    import fnmatch
+    import re
+
+    from inlinelm.gpu.model import cpu_extension
+
+    # NOTE: tomllib is 3.11's; the package-data table is one line
+    text = (ROOT / "pyproject.toml").read_text()
+    line = re.search(r"\[tool\.setuptools\.package-data\]\ninlinelm = (\[.*\])", text)
+    assert line, "pyproject.toml's package-data table moved"
+    patterns = ast.literal_eval(line.group(1))
+    package = ROOT / "src" / "inlinelm"
+    names = (*cpu_extension.SOURCES, *cpu_extension.HEADERS)
+    shipped = [
+        name
+        for name in names
+        if any(
+            fnmatch.fnmatch((cpu_extension.CSRC / name).relative_to(package).as_posix(), p)
+            for p in patterns
+        )
+    ]
+    assert shipped == list(names)
+    assert sorted(p.name for p in cpu_extension.CSRC.iterdir() if p.suffix in {".cpp", ".h"}) == (
+        sorted(names)
+    )

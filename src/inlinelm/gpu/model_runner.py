@@ -27,6 +27,7 @@ from inlinelm.gpu.kv_cache import (
     profile_gpu_memory,
 )
 from inlinelm.gpu.loading.weights import load_model
+from inlinelm.gpu.model.cpu_extension import cpu_ops
 from inlinelm.gpu.model.kernels import make_kernels
 from inlinelm.gpu.model.layers.moe import SparseMoE
 from inlinelm.gpu.model.models.decoder import DecoderModel
@@ -85,6 +86,8 @@ class ModelRunner:
         self.kernels_kind = select_attention_backend(
             self.config.attention_backend, self.device, self.dtype, head_dim=cfg.head_dim
         )
+        torch_kind = self.kernels_kind == "torch"
+        self.cpu_ops = cpu_ops(self.device, self.dtype) if torch_kind else None
         self.backend = make_attention_backend(
             self.kernels_kind,
             self.device,
@@ -93,6 +96,7 @@ class ModelRunner:
             cfg.head_dim,
             self.dtype,
             cfg.attention_kinds,
+            cpu_ops=self.cpu_ops,
         )
 
     def _load_model(self, folder: Path) -> DecoderModel:
@@ -103,7 +107,7 @@ class ModelRunner:
             device=self.device,
             backend=self.backend,
             max_positions=self.max_model_len,
-            kernels=make_kernels(self.kernels_kind),
+            kernels=make_kernels(self.kernels_kind, self.cpu_ops),
             quantization=self.config.weight_quantization,
         )
 

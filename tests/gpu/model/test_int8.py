@@ -25,11 +25,13 @@ import torch
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.loading.model_files import resolve_model
-from inlinelm.gpu.model.layers.int8 import FEW_ROWS_MAX, int8_kernel, int8_matmul, quantize_rows
+from inlinelm.gpu.model import cpu_extension as extension
+from inlinelm.gpu.model.cpu_extension import cpu_extension
+from inlinelm.gpu.model.layers.int8 import FEW_ROWS_MAX, int8_matmul, quantize_rows
 from inlinelm.gpu.model.layers.linear import Linear
 from tests.gpu.reference import load_ours, logits_atol, prefill_logits
 
-pytestmark = pytest.mark.skipif(int8_kernel() is None, reason="the int8 kernel did not build")
+pytestmark = pytest.mark.skipif(cpu_extension() is None, reason="the CPU extension did not build")
 
 U = torch.finfo(torch.float32).eps / 2
 
@@ -183,16 +185,14 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start() -> N
     import os
     import subprocess
 
-    from inlinelm.gpu.model.layers import int8
-
-    kernel = int8_kernel()
+    kernel = cpu_extension()
     build = Path(kernel.__file__).parent
     lock = build / "lock"
     assert not lock.exists(), "no build runs now"
     lock.touch()
-    old = time.time() - 2 * int8.STALE_LOCK_S
+    old = time.time() - 2 * extension.STALE_LOCK_S
     os.utime(lock, (old, old))
-    code = "from inlinelm.gpu.model.layers.int8 import int8_kernel; assert int8_kernel()"
+    code = "from inlinelm.gpu.model.cpu_extension import cpu_extension; assert cpu_extension()"
     try:
         subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
     finally:

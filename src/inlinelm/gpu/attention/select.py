@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -77,12 +77,15 @@ def make_attention_backend(
     head_dim: int,
     dtype: torch.dtype,
     layers: Sequence[LayerAttention],
+    cpu_ops: Any = None,
 ) -> AttentionBackend:
     """Build the backend :func:`select_attention_backend` picks for ``name`` on ``device``,
     for layers of the kinds ``layers`` (``ModelConfig.attention_kinds``; FlashInfer plans
-    each distinct kind once per step, the torch backend needs none ahead)."""
+    each distinct kind once per step, the torch backend needs none ahead); ``cpu_ops``
+    (:func:`~inlinelm.gpu.model.cpu_extension.cpu_ops`) gives the torch backend the CPU
+    extension's KV write and decode attention."""
     if select_attention_backend(name, device, dtype, head_dim=head_dim) == "torch":
-        return TorchAttention(num_heads, num_kv_heads, head_dim)
+        return TorchAttention(num_heads, num_kv_heads, head_dim, cpu_ops)
     from inlinelm.gpu.attention.flashinfer_backend import FlashInferAttention
 
     return FlashInferAttention(num_heads, num_kv_heads, head_dim, dtype, device, layers)

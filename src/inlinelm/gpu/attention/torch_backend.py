@@ -13,6 +13,7 @@ runs eagerly, so the padding and buffer plumbing are tested without a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -106,12 +107,20 @@ class TorchAttention:
     (causal, or bottom-right causal when part of its context is cached), so no sequence is
     padded to the longest one. The context is gathered a block at a time. The Python loop
     runs over prefill chunks of a step (bounded by the token budget), never over tokens.
+
+    With ``cpu_ops`` (the CPU extension, for a float32 model; see
+    :func:`~inlinelm.gpu.model.cpu_extension.cpu_ops`) the KV write and every decode group
+    are one call each: the kernel reads the keys in place through the block table (no
+    gather, no mask) and splits heads over threads only when the work gains from it.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, cpu_ops: Any = None
+    ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.cpu_ops = cpu_ops
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Split the step into decode groups and prefill chunks."""
@@ -125,6 +134,19 @@ class TorchAttention:
             for i in range(len(seq_lens))
             if starts[i + 1] - starts[i] > 1
         ]
+        if self.cpu_ops is not None:
+            # NOTE: the kernel reads each row's own length through its block table: one
+            # call for every decode row of the step, no masks.
+            whole = not chunks and single == list(range(len(seq_lens)))
+            index = slice(0, len(single)) if whole else torch.tensor(single, dtype=torch.long)
+            group = _DecodeGroup(
+                meta.query_start_loc[index],
+                meta.block_tables[index],
+                None,
+                meta.seq_lens[index],
+            )
+            meta.plan = _Plan(block_size, [group] if single else [], chunks, whole and bool(single))
+            return
         # NOTE: decode rows sorted by length and batched in groups, so short contexts are not
         # gathered and attended at the longest one's length.
         single.sort(key=lambda i: seq_lens[i])
@@ -201,14 +223,17 @@ class TorchAttention:
         """See :class:`AttentionBackend`."""
         plan = meta.plan
         assert isinstance(plan, _Plan)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if self.cpu_ops is not None:
+            self.cpu_ops.write_kv(kv_cache, k, v, meta.slot_mapping)
+        else:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
         blocks = kv_cache.view(2, -1, plan.block_size, self.num_kv_heads, self.head_dim)
         if plan.whole:  # a decode-only step (the common case): no gather of q, no scatter
-            return self._attend_decode(q, blocks, plan.decode[0], layer)
+            return self._attend_decode(q, kv_cache, blocks, plan.decode[0], layer)
         out = torch.empty_like(q)
         for group in plan.decode:
             rows = group.token_index
-            out[rows] = self._attend_decode(q[rows], blocks, group, layer)
+            out[rows] = self._attend_decode(q[rows], kv_cache, blocks, group, layer)
         for chunk in plan.chunks:
             self._attend_chunk(q, blocks, chunk, out, layer)
         return out
@@ -216,11 +241,24 @@ class TorchAttention:
     def _attend_decode(
         self,
         queries: torch.Tensor,
+        kv_cache: torch.Tensor,
         blocks: torch.Tensor,
         group: _DecodeGroup,
         layer: LayerAttention,
     ) -> torch.Tensor:
         """Attention of one decode group; ``queries`` are its rows [Bd, H, D]."""
+        if self.cpu_ops is not None:
+            out: torch.Tensor = self.cpu_ops.paged_decode(
+                queries,
+                kv_cache,
+                group.block_tables,
+                group.seq_lens,
+                blocks.shape[2],
+                layer.scale,
+                layer.sliding_window or 0,
+                layer.softcap or 0.0,
+            )
+            return out
         if group.serial and (threads := torch.get_num_threads()) > 1:
             torch.set_num_threads(1)
             try:

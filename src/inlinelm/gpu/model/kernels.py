@@ -1,14 +1,18 @@
 """The decoder's elementwise kernels: RMSNorm (alone and with the residual add fused; the
 weight or Gemma's ``1 + weight``), RoPE (over the whole head or its first dimensions) and
-the gated activations (SiLU, tanh-GELU); FlashInfer's on CUDA, plain torch everywhere else.
+the gated activations (SiLU, tanh-GELU); FlashInfer's on CUDA, inlinelm's own for a
+float32 model on a CPU (``csrc/cpu_ops.cpp``, where its extension builds), plain torch
+everywhere else.
 
 The model takes one :class:`Kernels` when it is built (:func:`make_kernels`) and calls it
 in every layer, so the choice is made once, never per call. ``flashinfer`` is imported
 only when :class:`FlashInferKernels` is built, which only a CUDA runner does.
 
-Both implementations agree on the contracts below; the torch ones compute exactly what
+All implementations agree on the contracts below; the torch ones compute exactly what
 the reference Llama implementation computes (float32 norms, a cast before the weight),
-which keeps a CPU float32 model's greedy output equal to transformers'.
+and the CPU ones the same in the same order of operations (their sums run in vector
+lanes: the last bits differ), which keeps a CPU float32 model's greedy output equal to
+transformers'.
 """
 
 from __future__ import annotations
@@ -223,10 +227,65 @@ class FlashInferKernels:
         return out
 
 
-def make_kernels(kind: KernelsKind) -> Kernels:
+class CpuKernels(TorchKernels):
+    """inlinelm's fused float32 CPU kernels (``csrc/cpu_ops.cpp``): one call each where the
+    torch ones take three to eight ops, and RoPE in place, reading the table by position
+    (no per-step gather). ``ops`` is the built extension
+    (:func:`~inlinelm.gpu.model.cpu_extension.cpu_ops`); it checks every shape and stride
+    it is given."""
+
+    def __init__(self, ops: Any) -> None:
+        self._ops = ops
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+    ) -> torch.Tensor:
+        """See :class:`Kernels` (``x`` [T, D] or [T, H, D], rows at any stride)."""
+        out: torch.Tensor = self._ops.rms_norm(x, weight, eps, offset)
+        return out
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :class:`Kernels` (in place: ``residual`` += ``x``, ``x`` = the norm)."""
+        self._ops.add_rms_norm(x, residual, weight, eps, offset)
+        return x, residual
+
+    def rope_inputs(
+        self, cos_sin_cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RopeInputs:
+        """See :class:`Kernels` (the kernel reads the table by position itself)."""
+        return RopeInputs(positions.to(torch.int64).contiguous(), cos_sin_cache)
+
+    def apply_rope(self, qk: torch.Tensor, num_q_heads: int, rope: RopeInputs) -> torch.Tensor:
+        """See :class:`Kernels` (in place; ``qk`` may be a strided view)."""
+        self._ops.rope(qk, rope.positions, rope.cos_sin_cache)
+        return qk
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """See :class:`Kernels`."""
+        out: torch.Tensor = self._ops.silu_and_mul(x.reshape(-1, x.shape[-1]))
+        return out.view(*x.shape[:-1], -1)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """See :class:`Kernels`."""
+        out: torch.Tensor = self._ops.gelu_tanh_and_mul(x.reshape(-1, x.shape[-1]))
+        return out.view(*x.shape[:-1], -1)
+
+
+def make_kernels(kind: KernelsKind, cpu_ops: Any = None) -> Kernels:
     """The kernels of ``kind``: the model follows the attention backend's choice (see
     :func:`~inlinelm.gpu.attention.select.select_attention_backend`), so ``"flashinfer"``
-    only ever arrives for a 16-bit model on CUDA with ``flashinfer`` importable."""
+    only ever arrives for a 16-bit model on CUDA with ``flashinfer`` importable;
+    ``cpu_ops`` (:func:`~inlinelm.gpu.model.cpu_extension.cpu_ops`, for a float32 model on
+    a CPU) makes ``"torch"`` the fused CPU kernels."""
     if kind == "flashinfer":
         return FlashInferKernels()
+    if cpu_ops is not None:
+        return CpuKernels(cpu_ops)
     return TorchKernels()

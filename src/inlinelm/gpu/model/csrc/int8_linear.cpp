@@ -7,42 +7,16 @@
 // accumulate in float with vector FMAs, compiled for this machine's instructions
 // (-march=native, at first use); many rows (prefill) dequantize a band of weight rows
 // into float and multiply it with torch's GEMM.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 
-#include <immintrin.h>
+#include "ops.h"
+#include "vec.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-using Vec = __m512;
-inline Vec widen(const int8_t* w) {  // 16 int8 weights as floats
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-}
-inline Vec load(const float* x) { return _mm512_loadu_ps(x); }
-inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec zero() { return _mm512_setzero_ps(); }
-inline float total(Vec v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kLanes = 8;
-using Vec = __m256;
-inline Vec widen(const int8_t* w) {  // 8 int8 weights as floats
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
-}
-inline Vec load(const float* x) { return _mm256_loadu_ps(x); }
-inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec zero() { return _mm256_setzero_ps(); }
-inline float total(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-#else
-constexpr int64_t kLanes = 0;  // NOTE: plain loops only
-#endif
+using namespace inlinelm;
 
 // R rows of x (row stride K) against the NB weight rows from n: each weight vector is
 // widened to floats once and multiplied into the R rows' accumulators (NB x R independent
@@ -52,7 +26,7 @@ inline void micro(const float* x, int64_t K, const int8_t* q, const float* scale
                   const float* bias, float* y, int64_t N, int64_t n) {
   float acc[NB][R] = {};
   int64_t k = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if INLINELM_VEC
   Vec v[NB][R];
   for (int j = 0; j < NB; ++j)
     for (int r = 0; r < R; ++r) v[j][r] = zero();
@@ -148,8 +122,4 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
     }
   }
   return y;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "float x times int8 weights with per-row scales");
 }

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from inlinelm.gpu.model.layers.int8 import int8_kernel, int8_matmul, quantize_rows
+from inlinelm.gpu.model.cpu_extension import cpu_extension
+from inlinelm.gpu.model.layers.int8 import int8_matmul, quantize_rows
 
 
 class Linear(nn.Module):
@@ -38,7 +39,7 @@ class Linear(nn.Module):
         """Keep the weight only as int8, one scale per output channel, on a CPU (after
         loading; not reversible); the inputs stay float (:mod:`.int8` says why and
         measures it). False, and the layer stays float, where the kernel did not build."""
-        if int8_kernel() is None:
+        if cpu_extension() is None:
             return False
         q, scale = quantize_rows(self.weight_t.data.t())
         self._int8 = (q, scale)

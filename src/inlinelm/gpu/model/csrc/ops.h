@@ -1,0 +1,26 @@
+// The CPU operators of inlinelm's extension (built at first use for this machine; see
+// inlinelm/gpu/model/cpu_extension.py): the int8 linear layer and the fused float32
+// kernels of a decoder step. Every float tensor is float32; shapes and strides are
+// checked on entry, so a bad call is a Python RuntimeError, never a bad read.
+#pragma once
+
+#include <torch/extension.h>
+
+// int8_linear.cpp
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
+                          const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
+                          int64_t few_rows_max);
+
+// cpu_ops.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       double offset);
+void add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+                  double eps, double offset);
+void rope(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos_sin_cache);
+torch::Tensor silu_and_mul(const torch::Tensor& x);
+torch::Tensor gelu_tanh_and_mul(const torch::Tensor& x);
+void write_kv(torch::Tensor& kv_cache, const torch::Tensor& k, const torch::Tensor& v,
+              const torch::Tensor& slots);
+torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                           int64_t block_size, double scale, int64_t window, double softcap);

@@ -31,6 +31,7 @@ BENCHMARKS: list[tuple[str, str, list[str], int]] = [
     ("ray_scale", "ray_scale.py", [], 300),
     ("family_step", "family_step.py", [], 300),
     ("int8_cpu", "int8_cpu.py", [], 300),
+    ("cpu_step", "cpu_step.py", [], 300),
 ]
 
 
@@ -93,6 +94,12 @@ def summary(name: str, data: dict) -> str:
                 f"({low['family']}) to {max(r['theirs_over_ours'] for r in rows):.2f}x"
             )
         return "; ".join(parts) + f" over {len(data['rows']) // 2} families"
+    if name == "cpu_step":
+        return "; ".join(
+            f"{r['weights']} B={r['batch']}: fused kernels {r['step_speedup']:.2f}x torch's ops "
+            f"(rest {r['torch_ops_rest_ms']:.1f} -> {r['fused_rest_ms']:.1f} ms)"
+            for r in data["results"]
+        )
     return "see its table"
 
 

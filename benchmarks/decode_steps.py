@@ -46,27 +46,40 @@ def measure(runner: ModelRunner, batch: int, new_tokens: int) -> dict[str, float
     }
 
 
+MODES = [
+    ("float32", "none", "float32"),
+    ("int8", "auto", "float32"),
+    ("bfloat16", "none", "bfloat16"),
+]
+"""(label, quantization, dtype) of each runner."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="write results here")
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
     rows = []
-    # NOTE: float32 weights, then the default model's own int8 (quantization="auto"), one
-    # runner at a time, in the same run.
-    for mode in ("none", "auto"):
-        config = EngineConfig(max_num_batched_tokens=2048, num_kv_blocks=1024, quantization=mode)
+    # NOTE: float32 weights, the default model's own int8 (quantization="auto") and the
+    # model in bfloat16, one runner at a time, in the same run.
+    for weights, mode, dtype in MODES:
+        config = EngineConfig(
+            max_num_batched_tokens=2048, num_kv_blocks=1024, quantization=mode, dtype=dtype
+        )
         runner = ModelRunner(config, resolve_model("default").folder)
         runner.warmup()
-        rows += [{"quantization": mode, **measure(runner, b, args.new_tokens)} for b in (1, 32)]
+        rows += [
+            {"weights": weights, "quantization": mode, "dtype": dtype}
+            | measure(runner, b, args.new_tokens)
+            for b in (1, 32)
+        ]
         runner.close()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     print(f"{'weights':>8} {'batch':>5} {'median step ms':>15} {'steps/s':>9} {'tokens/s':>9}")
     for r in rows:
-        weights = "float32" if r["quantization"] == "none" else "int8"
         print(
-            f"{weights:>8} {r['batch']:>5} {r['median_step_ms']:>15.2f} {r['steps_per_s']:>9.1f} "
-            f"{r['tokens_per_s']:>9.1f}"
+            f"{r['weights']:>8} {r['batch']:>5} {r['median_step_ms']:>15.2f} "
+            f"{r['steps_per_s']:>9.1f} {r['tokens_per_s']:>9.1f}"
         )
     if args.json:
         with open(args.json, "w") as f:

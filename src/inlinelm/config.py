@@ -188,7 +188,9 @@ class EngineConfig:
     def model_dtype(self) -> str:
         """The dtype the model runs in, with ``"auto"`` resolved for ``device``: bfloat16
         on CUDA (half the bytes per weight read, the tensor cores' type), float32 elsewhere
-        (a CPU runs bfloat16 matmuls slower, and float32 keeps greedy output exact)."""
+        (float32 keeps greedy output exact, and runs inlinelm's fused CPU kernels; a
+        bfloat16 step is faster at batch 1 only, on a CPU with bfloat16 instructions:
+        docs/cpu.md)."""
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"

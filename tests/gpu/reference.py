@@ -73,8 +73,9 @@ class PagedGreedyDriver:
     def __init__(self, model: DecoderModel, num_blocks: int = 256) -> None:
         cfg = model.config
         self.model = model
+        dtype = model.embed_tokens.weight.dtype
         self.caches = [
-            torch.zeros(2, num_blocks * BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+            torch.zeros(2, num_blocks * BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
             for _ in range(cfg.num_layers)
         ]
         self.next_block = num_blocks - 1  # hand out blocks from the top, out of order on purpose

@@ -16,6 +16,7 @@ from tests.gpu.reference import (
     PROMPTS,
     PagedGreedyDriver,
     assert_logits_close,
+    load_ours,
     logits_atol,
     prefill_logits,
 )
@@ -104,23 +105,68 @@ def test_default_model_answers_sensibly(
     assert "Paris" in tokenizer.decode(lone_decode(default_model_dir, 1)[:8])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_onednn_packed_linear_equals_the_plain_matmul(bias: bool, rows: int) -> None:
-    if not onednn_packing_available(torch.device("cpu"), torch.float32):
-        pytest.skip("this torch has no oneDNN")
+def test_onednn_packed_linear_equals_the_plain_matmul(
+    bias: bool, rows: int, dtype: torch.dtype
+) -> None:
+    if not onednn_packing_available(torch.device("cpu"), dtype):
+        pytest.skip(f"this torch or CPU has no oneDNN {dtype} matmul")
     torch.manual_seed(rows)
-    layer = Linear(96, 320, bias=bias)
+    layer = Linear(96, 320, bias=bias).to(dtype)
     torch.nn.init.normal_(layer.weight_t)
     if layer.bias is not None:
         torch.nn.init.normal_(layer.bias)
-    x = torch.randn(rows, 96)
+    x = torch.randn(rows, 96, dtype=dtype)
     with torch.inference_mode():
         expected = layer(x)
         assert layer.pack_for_onednn()
         got = layer(x)
     assert layer.weight_t.numel() == 0  # the plain copy is dropped
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    else:
+        # both sum in float32 (in other orders) and round the sum once to bfloat16: one
+        # bfloat16 step of the result apart, at most
+        step = torch.finfo(dtype).eps * expected.float().abs()
+        assert ((got.float() - expected.float()).abs() <= step + 1e-3).all()
+
+
+def test_a_cpu_bfloat16_model_packs_its_weights_and_computes_the_float32_model(
+    tiny_model_dir: Path, tokenizer: Any
+) -> None:
+    """``dtype="bfloat16"`` on a CPU: the weights packed for oneDNN's bfloat16 GEMM where
+    the CPU has bfloat16 instructions, and the logits those of the float32 model within
+    bfloat16's rounding."""
+    from inlinelm.gpu.attention.torch_backend import TorchAttention
+    from inlinelm.gpu.loading.weights import load_model
+    from inlinelm.gpu.model.registry import read_model_config
+
+    cfg = read_model_config(tiny_model_dir)
+    model = load_model(
+        tiny_model_dir,
+        cfg,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        backend=TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+        max_positions=2048,
+    )
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    packed = onednn_packing_available(torch.device("cpu"), torch.bfloat16)
+    assert linears and all((m._packed is not None) == packed for m in linears)
+    plain = load_ours(tiny_model_dir)
+    for prompt in PROMPTS[1:4]:
+        ids = tokenizer(prompt).input_ids
+        want = prefill_logits(plain, ids)
+        got = prefill_logits(model, ids)
+        assert got.dtype == torch.float32
+        # Each layer rounds to bfloat16 about eight times (its four weight matrices, their
+        # outputs, its norms' outputs), each a relative eps / 2 (sums run in float32): a
+        # random walk of 8 * num_layers steps, carried to the logits at their own size.
+        steps = 8 * cfg.num_layers
+        atol = torch.finfo(torch.bfloat16).eps * steps**0.5 * float(want.abs().max())
+        torch.testing.assert_close(got, want, rtol=0.0, atol=atol)
 
 
 def test_a_cpu_float32_model_keeps_only_packed_weights(

@@ -64,7 +64,9 @@ class Linear(nn.Module):
                 got = torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none", [], "")
             except (RuntimeError, TypeError, AttributeError):
                 return False
-            if not torch.allclose(got, self(probe), rtol=1e-4, atol=1e-4):
+            # NOTE: the two may sum in other orders: a few roundings of the dtype apart
+            tol = 1e-4 if weight.dtype == torch.float32 else 4 * torch.finfo(weight.dtype).eps
+            if not torch.allclose(got, self(probe), rtol=tol, atol=tol):
                 return False
         self._packed = packed
         self.weight_t.data = torch.empty(0, dtype=weight.dtype)
@@ -85,10 +87,16 @@ class Linear(nn.Module):
 
 def onednn_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :meth:`Linear.pack_for_onednn` applies: float32 on a CPU torch built with
-    oneDNN (other dtypes depend on the CPU's instructions, so they keep plain matmuls)."""
+    oneDNN, and bfloat16 where the CPU has bfloat16 instructions (AVX-512 BF16 or AMX;
+    elsewhere oneDNN emulates them, and float16 too, so those keep plain matmuls)."""
+    if dtype == torch.bfloat16:
+        supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        if supported is None or not supported():
+            return False
+    elif dtype != torch.float32:
+        return False
     return (
         device.type == "cpu"
-        and dtype == torch.float32
         and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")

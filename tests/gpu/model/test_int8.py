@@ -62,6 +62,42 @@ def test_the_kernel_is_the_dequantized_product(
     assert ((got.double() - exact).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("gemm", ["onednn", "torch"])
+@pytest.mark.parametrize("band_rows", [100, 962, 5000], ids=["bands", "one-band", "wide-band"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_many_rows_go_through_dequantized_bands_on_either_gemm(
+    gemm: str, band_rows: int, with_bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past FEW_ROWS_MAX rows: oneDNN's GEMM over bands of dequantized rows (a last band
+    shorter than the others, and one band for the whole weight), or, where this torch has
+    no oneDNN, the kernel's own bands through torch's GEMM."""
+    from inlinelm.gpu.model.layers import int8
+
+    if gemm == "onednn" and not int8._onednn_linear():
+        pytest.skip("this torch has no oneDNN")
+    if gemm == "torch":
+        monkeypatch.setattr(int8, "_onednn_linear", lambda: False)
+    monkeypatch.setattr(int8, "BAND_FLOATS", band_rows * 577)
+    gen = torch.Generator().manual_seed(band_rows)
+    q, scale = quantize_rows(torch.randn(962, 577, generator=gen))
+    x = torch.randn(FEW_ROWS_MAX + 3, 577, generator=gen) * 3
+    bias = torch.randn(962, generator=gen) if with_bias else None
+    exact, bound = reference(x, q, scale, bias)
+    got = int8_matmul(x, q, scale, bias)
+    assert got.shape == (FEW_ROWS_MAX + 3, 962)
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def test_dequantized_rows_are_the_int8_values_times_their_scales() -> None:
+    q, scale = quantize_rows(torch.randn(40, 33))
+    kernel = cpu_extension()
+    assert torch.equal(kernel.dequantize_rows(q, scale, 5, 17), q[5:17].float() * scale[5:17, None])
+    assert kernel.dequantize_rows(q, scale, 40, 40).shape == (0, 33)
+    for n0, n1 in ((-1, 3), (3, 41), (5, 4)):
+        with pytest.raises(RuntimeError, match="outside"):
+            kernel.dequantize_rows(q, scale, n0, n1)
+
+
 def test_a_batch_of_sequences_and_bfloat16_inputs_keep_their_shape_and_dtype() -> None:
     q, scale = quantize_rows(torch.randn(24, 32))
     x = torch.randn(2, 5, 32, dtype=torch.bfloat16)

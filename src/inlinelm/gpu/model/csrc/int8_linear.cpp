@@ -5,8 +5,8 @@
 //
 // A few rows (decode) read each weight row once per block of four activation rows and
 // accumulate in float with vector FMAs, compiled for this machine's instructions
-// (-march=native, at first use); many rows (prefill) dequantize a band of weight rows
-// into float and multiply it with torch's GEMM.
+// (-march=native, at first use); many rows (long prefill chunks) dequantize a band of
+// weight rows into float and multiply it with a float GEMM.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -85,10 +85,14 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
               "q must be a contiguous 2-D int8 tensor");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   TORCH_CHECK(q.size(1) == K, "x and q disagree on the input size");
-  TORCH_CHECK(scale.numel() == N && scale.scalar_type() == torch::kFloat32, "bad scale");
+  TORCH_CHECK(scale.numel() == N && scale.scalar_type() == torch::kFloat32 &&
+                  scale.is_contiguous(),
+              "bad scale");
   const float* b = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32, "bad bias");
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 &&
+                    bias->is_contiguous(),
+                "bad bias");
     b = bias->data_ptr<float>();
   }
   auto y = torch::empty({M, N}, x.options());
@@ -98,22 +102,12 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
     return y;
   }
   // NOTE: bands of weight rows, dequantized, then torch's GEMM: a band's floats stay small
-  // (an LM head's whole float copy would not).
+  // (an LM head's whole float copy would not). inlinelm/gpu/model/layers/int8.py takes
+  // oneDNN's GEMM instead where torch has it.
   const int64_t band = std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(K, 1));
-  auto w = torch::empty({std::min(band, N), K}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += band) {
     const int64_t n1 = std::min(N, n0 + band);
-    auto wb = w.narrow(0, 0, n1 - n0);
-    float* wp = wb.data_ptr<float>();
-    const int8_t* qp = q.data_ptr<int8_t>() + n0 * K;
-    const float* sp = scale.data_ptr<float>() + n0;
-    at::parallel_for(0, n1 - n0, 8, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const float s = sp[i];
-#pragma omp simd
-        for (int64_t k = 0; k < K; ++k) wp[i * K + k] = static_cast<float>(qp[i * K + k]) * s;
-      }
-    });
+    auto wb = dequantize_rows(q, scale, n0, n1);
     auto out = y.narrow(1, n0, n1 - n0);
     if (b != nullptr) {
       out.copy_(torch::addmm(bias->narrow(0, n0, n1 - n0), x, wb.t()));
@@ -122,4 +116,27 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
     }
   }
   return y;
+}
+
+torch::Tensor dequantize_rows(const torch::Tensor& q, const torch::Tensor& scale, int64_t n0,
+                              int64_t n1) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous(),
+              "q must be a contiguous 2-D int8 tensor");
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(scale.numel() == N && scale.scalar_type() == torch::kFloat32 &&
+                  scale.is_contiguous(),
+              "bad scale");
+  TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= N, "rows [", n0, ", ", n1, ") are outside [0, ", N, ")");
+  auto w = torch::empty({n1 - n0, K}, scale.options());
+  float* wp = w.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>() + n0 * K;
+  const float* sp = scale.data_ptr<float>() + n0;
+  at::parallel_for(0, n1 - n0, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float s = sp[i];
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) wp[i * K + k] = static_cast<float>(qp[i * K + k]) * s;
+    }
+  });
+  return w;
 }

@@ -10,6 +10,8 @@
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
                           int64_t few_rows_max);
+torch::Tensor dequantize_rows(const torch::Tensor& q, const torch::Tensor& scale, int64_t n0,
+                              int64_t n1);
 
 // cpu_ops.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,

@@ -5,7 +5,8 @@ Q4_1 GGUF file selects) against ``"none"`` (float32 weights), side by side in on
     alone, summed over a step's 121 calls) at 1, 32 and 256 rows: oneDNN's packed float32
     (the float path), our int8 kernel, and for reference torch's fbgemm int8 linear (int8
     activations too, which cost the agreement the quality test measures);
-(b) one request, 64 new tokens: ms per token, the two engines alternately, three times each;
+(b) one request, 64 new tokens: ms per token, the two engines alternately, three times each
+    (each engine in a process of its own);
 (c) 32 requests with mixed prompts, 64 new tokens each, all at once: tokens/s, TTFT p50;
 (d) the process's resident memory after each engine loaded (each in a fresh child process,
     so neither holds the other's pages).
@@ -38,16 +39,14 @@ MODES = ("none", "auto")
 
 
 def _kernel(name: str, weight: torch.Tensor, x: torch.Tensor) -> Any:
-    from inlinelm.gpu.model.cpu_extension import cpu_extension
-    from inlinelm.gpu.model.layers.int8 import quantize_rows
+    from inlinelm.gpu.model.layers.int8 import int8_matmul, quantize_rows
 
     if name == "float32 oneDNN":
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
         return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     q, scale = quantize_rows(weight)
     if name == "int8 (ours)":
-        kernel = cpu_extension()
-        return lambda: kernel.int8_linear(x, q, scale, None, 128)
+        return lambda: int8_matmul(x, q, scale, None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zero = torch.zeros(weight.shape[0], dtype=torch.int64)
@@ -87,41 +86,82 @@ def kernels(rows: list[int], repeats: int = 7) -> dict[str, dict[str, float]]:
     return out
 
 
-async def engines(prompts: list[list[int]], single: list[int], new: int) -> dict[str, Any]:
-    """(b) and (c) for both modes."""
-    from inlinelm import Engine, SamplingParams
+async def _one(engine: Any, prompt: list[int], new: int) -> tuple[float, float | None]:
+    """One request's wall time and TTFT."""
+    from inlinelm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    loaded = {mode: Engine(quantization=mode) for mode in MODES}
-    for engine in loaded.values():
+    start, ttft = time.perf_counter(), None
+    async for out in engine.stream(prompt, params):
+        ttft = out.metrics.ttft if ttft is None else ttft
+    return time.perf_counter() - start, ttft
+
+
+def _engine_child(mode: str, threads: int, conn: Any) -> None:
+    """One mode's engine in a process of its own, answering jobs from :func:`engines`:
+    ``("single", prompt, new)`` with its ms per token, ``("batch", prompts, new)`` with
+    tokens/s and TTFT p50; None ends it."""
+    from inlinelm import Engine
+
+    async def serve() -> None:
+        # NOTE: a fixed count: the default rule counts the other engine's process as load
+        engine = Engine(quantization=mode, num_threads=threads)
         await engine.start()
-
-    async def one(engine: Any, prompt: list[int]) -> tuple[float, float | None]:
-        start, ttft = time.perf_counter(), None
-        async for out in engine.stream(prompt, params):
-            ttft = out.metrics.ttft if ttft is None else ttft
-        return time.perf_counter() - start, ttft
-
-    result: dict[str, Any] = {mode: {"single_ms_per_token": []} for mode in MODES}
-    try:
-        for engine in loaded.values():
-            await asyncio.gather(*(one(engine, p) for p in prompts[:4]))  # warm-up
-        for _ in range(3):
-            for mode, engine in loaded.items():
-                wall, ttft = await one(engine, single)
-                result[mode]["single_ms_per_token"].append((wall - (ttft or 0)) / (new - 1) * 1e3)
-        for mode, engine in loaded.items():
+        conn.send(None)
+        # NOTE: the loop waits on the pipe only while no request is in flight
+        while (job := conn.recv()) is not None:
+            kind, prompts, new = job
+            if kind == "single":
+                wall, ttft = await _one(engine, prompts, new)
+                conn.send((wall - (ttft or 0)) / (new - 1) * 1e3)
+                continue
             start = time.perf_counter()
-            runs = await asyncio.gather(*(one(engine, p) for p in prompts))
+            runs = await asyncio.gather(*(_one(engine, p, new) for p in prompts))
             wall = time.perf_counter() - start
             ttfts = [t for _, t in runs if t is not None]
-            result[mode]["batch_tokens_per_s"] = len(prompts) * new / wall
-            result[mode]["batch_ttft_p50_s"] = percentile(ttfts, 50)
-    finally:
-        for engine in loaded.values():
-            await engine.aclose()
+            conn.send((len(prompts) * new / wall, percentile(ttfts, 50)))
+        await engine.aclose()
+
+    asyncio.run(serve())
+
+
+def engines(prompts: list[list[int]], single: list[int], new: int) -> dict[str, Any]:
+    """(b) and (c) for both modes, each engine in a process of its own (two engines in
+    one process run two OpenMP teams, which slows both: see vs_llama_cpp.py's ``run``)."""
+    context = mp.get_context("spawn")
+    conns, children = {}, []
     for mode in MODES:
-        result[mode]["single"] = median(result[mode].pop("single_ms_per_token"))
+        conn, child_conn = context.Pipe()
+        child = context.Process(
+            target=_engine_child, args=(mode, torch.get_num_threads(), child_conn)
+        )
+        child.start()
+        conns[mode], children = conn, [*children, child]
+    result: dict[str, Any] = {mode: {} for mode in MODES}
+    try:
+        for conn in conns.values():
+            conn.recv()  # started
+        for conn in conns.values():  # warm-up
+            conn.send(("batch", prompts[:4], new))
+            conn.recv()
+        singles: dict[str, list[float]] = {mode: [] for mode in MODES}
+        for _ in range(3):
+            for mode, conn in conns.items():
+                conn.send(("single", single, new))
+                singles[mode].append(conn.recv())
+        for mode, conn in conns.items():
+            conn.send(("batch", prompts, new))
+            tokens_per_s, ttft = conn.recv()
+            result[mode] = {
+                "single": median(singles[mode]),
+                "batch_tokens_per_s": tokens_per_s,
+                "batch_ttft_p50_s": ttft,
+            }
+    finally:
+        for conn in conns.values():
+            conn.send(None)
+        for child in children:
+            child.join()
     return result
 
 
@@ -167,7 +207,7 @@ def main() -> None:
         flush=True,
     )
     report: dict[str, Any] = {"kernels_ms_per_step": kernels([1, 32, 256])}
-    report["engines"] = asyncio.run(engines(prompts, prompts[1], args.new_tokens))
+    report["engines"] = engines(prompts, prompts[1], args.new_tokens)
     report["rss_mib"] = {mode: [round(v / 2**20, 1) for v in resident(mode)] for mode in MODES}
     report["load_average"] = load_average()
     print("\n(a) linear layers of one step, ms (medians of interleaved runs)")

@@ -9,6 +9,7 @@ start past it is skipped, and each one is stopped at its own time limit).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,7 +33,10 @@ BENCHMARKS: list[tuple[str, str, list[str], int]] = [
     ("family_step", "family_step.py", [], 300),
     ("int8_cpu", "int8_cpu.py", [], 300),
     ("cpu_step", "cpu_step.py", [], 300),
+    ("vs_llama_cpp", "vs_llama_cpp.py", [], 300),
 ]
+NEEDS = {"vs_llama_cpp": "llama_cpp"}
+"""A benchmark's module that inlinelm does not install (skipped without it)."""
 
 
 def summary(name: str, data: dict) -> str:
@@ -94,6 +98,11 @@ def summary(name: str, data: dict) -> str:
                 f"({low['family']}) to {max(r['theirs_over_ours'] for r in rows):.2f}x"
             )
         return "; ".join(parts) + f" over {len(data['rows']) // 2} families"
+    if name == "vs_llama_cpp":
+        ms = data["ms_per_token"]
+        return "; ".join(
+            f"{n}: {ms[n]:.2f} ms/token ({ms[n] / ms['llama.cpp']:.2f}x llama.cpp)" for n in ms
+        )
     if name == "cpu_step":
         return "; ".join(
             f"{r['weights']} B={r['batch']}: fused kernels {r['step_speedup']:.2f}x torch's ops "
@@ -116,6 +125,9 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         left = args.budget - (time.perf_counter() - start)
+        if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
+            done[name] = f"skipped: {NEEDS[name]} is not installed (see {script})"
+            continue
         if left < 30:
             done[name] = f"skipped: {left:.0f} s of the budget left"
             continue

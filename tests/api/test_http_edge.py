@@ -282,7 +282,7 @@ def test_inlinelm_serve_caps_heads_and_times_out_silent_connections() -> None:
         start = time.monotonic()
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
             assert read_until_closed(sock, SLACK * 1.0) == b""
-        assert 1.0 <= time.monotonic() - start < SLACK * 1.0
+        assert 1.0 - EARLY_S <= time.monotonic() - start < SLACK * 1.0
     finally:
         process.terminate()
         _, stderr = process.communicate(timeout=WAIT_S)

@@ -228,14 +228,36 @@ class TorchAttention:
         else:
             write_kv(kv_cache, k, v, meta.slot_mapping)
         blocks = kv_cache.view(2, -1, plan.block_size, self.num_kv_heads, self.head_dim)
+        attend = self._attend_paged if self.cpu_ops is not None else self._attend_decode
         if plan.whole:  # a decode-only step (the common case): no gather of q, no scatter
-            return self._attend_decode(q, kv_cache, blocks, plan.decode[0], layer)
+            return attend(q, kv_cache, blocks, plan.decode[0], layer)
         out = torch.empty_like(q)
         for group in plan.decode:
             rows = group.token_index
-            out[rows] = self._attend_decode(q[rows], kv_cache, blocks, group, layer)
+            out[rows] = attend(q[rows], kv_cache, blocks, group, layer)
         for chunk in plan.chunks:
             self._attend_chunk(q, blocks, chunk, out, layer)
+        return out
+
+    def _attend_paged(
+        self,
+        queries: torch.Tensor,
+        kv_cache: torch.Tensor,
+        blocks: torch.Tensor,
+        group: _DecodeGroup,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        """:meth:`_attend_decode` through the CPU extension's kernel, over the cache itself."""
+        out: torch.Tensor = self.cpu_ops.paged_decode(
+            queries,
+            kv_cache,
+            group.block_tables,
+            group.seq_lens,
+            blocks.shape[2],
+            layer.scale,
+            layer.sliding_window or 0,
+            layer.softcap or 0.0,
+        )
         return out
 
     def _attend_decode(
@@ -246,19 +268,8 @@ class TorchAttention:
         group: _DecodeGroup,
         layer: LayerAttention,
     ) -> torch.Tensor:
-        """Attention of one decode group; ``queries`` are its rows [Bd, H, D]."""
-        if self.cpu_ops is not None:
-            out: torch.Tensor = self.cpu_ops.paged_decode(
-                queries,
-                kv_cache,
-                group.block_tables,
-                group.seq_lens,
-                blocks.shape[2],
-                layer.scale,
-                layer.sliding_window or 0,
-                layer.softcap or 0.0,
-            )
-            return out
+        """Attention of one decode group; ``queries`` are its rows [Bd, H, D] (SDPA over the
+        gathered ``blocks``; ``kv_cache`` is there for :meth:`_attend_paged`'s signature)."""
         if group.serial and (threads := torch.get_num_threads()) > 1:
             torch.set_num_threads(1)
             try:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +122,28 @@ def save_plot(fig: Any, name: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
+
+
+@contextmanager
+def workers(
+    targets: dict[str, tuple[Callable[..., None], tuple[Any, ...]]],
+) -> Iterator[dict[str, Any]]:
+    """One spawned process per name, ``target(*args, conn)``, each answering jobs over its
+    end of a pipe until it receives None (sent to every worker on exit, then joined).
+    Engines are measured each in a process of its own: two in one process run two OpenMP
+    thread teams, and GNU OpenMP then stops spinning (slower steps for both)."""
+    context = mp.get_context("spawn")
+    conns, children = {}, []
+    for name, (target, args) in targets.items():
+        conn, child_conn = context.Pipe()
+        child = context.Process(target=target, args=(*args, child_conn))
+        child.start()
+        conns[name] = conn
+        children.append(child)
+    try:
+        yield conns
+    finally:
+        for conn in conns.values():
+            conn.send(None)
+        for child in children:
+            child.join()

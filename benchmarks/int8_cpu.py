@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from _common import load_average, median, percentile, write_json
+from _common import load_average, median, percentile, workers, write_json
 from e2e_cpu import make_prompts
 
 SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]
@@ -127,18 +127,11 @@ def _engine_child(mode: str, threads: int, conn: Any) -> None:
 
 def engines(prompts: list[list[int]], single: list[int], new: int) -> dict[str, Any]:
     """(b) and (c) for both modes, each engine in a process of its own (two engines in
-    one process run two OpenMP teams, which slows both: see vs_llama_cpp.py's ``run``)."""
-    context = mp.get_context("spawn")
-    conns, children = {}, []
-    for mode in MODES:
-        conn, child_conn = context.Pipe()
-        child = context.Process(
-            target=_engine_child, args=(mode, torch.get_num_threads(), child_conn)
-        )
-        child.start()
-        conns[mode], children = conn, [*children, child]
-    result: dict[str, Any] = {mode: {} for mode in MODES}
-    try:
+    one process run two OpenMP teams, which slows both: see ``_common.workers``)."""
+    threads = torch.get_num_threads()
+    targets = {mode: (_engine_child, (mode, threads)) for mode in MODES}
+    result: dict[str, Any] = {}
+    with workers(targets) as conns:
         for conn in conns.values():
             conn.recv()  # started
         for conn in conns.values():  # warm-up
@@ -157,11 +150,6 @@ def engines(prompts: list[list[int]], single: list[int], new: int) -> dict[str, 
                 "batch_tokens_per_s": tokens_per_s,
                 "batch_ttft_p50_s": ttft,
             }
-    finally:
-        for conn in conns.values():
-            conn.send(None)
-        for child in children:
-            child.join()
     return result
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from _common import load_average, median, write_json
+from _common import load_average, median, workers, write_json
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 ENGINES = ("llama.cpp", "inlinelm int8", "inlinelm float32")
@@ -90,7 +89,7 @@ def _inlinelm_child(quantization: str, threads: int, conn: Any) -> None:
     asyncio.run(serve())
 
 
-async def run(rounds: int, new: int, threads: int) -> dict[str, Any]:
+def run(rounds: int, new: int, threads: int) -> dict[str, Any]:
     """Each engine in a process of its own, taking turns. (Two engines in one process run
     two OpenMP thread teams; with more OpenMP threads than cores, GNU OpenMP stops spinning
     and wakes each team by futex at every op, docs/architecture.md's "CPU threads": the
@@ -100,21 +99,14 @@ async def run(rounds: int, new: int, threads: int) -> dict[str, Any]:
     from inlinelm.gpu.loading.model_files import resolve_model
 
     gguf = resolve_model("default").source
-    context = mp.get_context("spawn")
     targets = {
-        "llama.cpp": (_llama_cpp_child, gguf),
-        "inlinelm int8": (_inlinelm_child, "auto"),
-        "inlinelm float32": (_inlinelm_child, "none"),
+        "llama.cpp": (_llama_cpp_child, (gguf, threads)),
+        "inlinelm int8": (_inlinelm_child, ("auto", threads)),
+        "inlinelm float32": (_inlinelm_child, ("none", threads)),
     }
-    conns, children = {}, []
-    for name, (target, arg) in targets.items():
-        conn, child_conn = context.Pipe()
-        child = context.Process(target=target, args=(arg, threads, child_conn))
-        child.start()
-        conns[name], children = conn, [*children, child]
-    prompt = conns["llama.cpp"].recv()
     times: dict[str, list[float]] = {name: [] for name in ENGINES}
-    try:
+    with workers(targets) as conns:
+        prompt = conns["llama.cpp"].recv()
         for name in ENGINES[1:]:
             conns[name].recv()  # started
         for name in ENGINES:  # warm-up
@@ -124,11 +116,6 @@ async def run(rounds: int, new: int, threads: int) -> dict[str, Any]:
             for name in ENGINES:
                 conns[name].send((prompt, new))
                 times[name].append(conns[name].recv())
-    finally:
-        for conn in conns.values():
-            conn.send(None)
-        for child in children:
-            child.join()
     return {
         "gguf": gguf,
         "prompt_tokens": len(prompt),
@@ -151,7 +138,7 @@ def main() -> None:
         sys.exit("vs_llama_cpp.py needs llama-cpp-python (see this script's docstring)")
     threads = torch.get_num_threads()
     print(f"vs_llama_cpp: {threads} threads; load average {load_average()}", flush=True)
-    report = asyncio.run(run(args.rounds, args.new_tokens, threads))
+    report = run(args.rounds, args.new_tokens, threads)
     ms = report["ms_per_token"]
     base = ms["llama.cpp"]
     print(f"\none request, {args.new_tokens} new tokens, greedy: ms per token (medians)")

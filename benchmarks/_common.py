@@ -64,6 +64,26 @@ def chat_messages(i: int) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
 
 
+def quality_prompts(tokenizer: Any, count: int = 32) -> list[list[int]]:
+    """Issue 24's quality prompts: ``count`` varied chat prompts (a question, every other
+    one after a context of growing length), as token ids with the generation prompt."""
+    words = ANSWER.split()
+    prompts = []
+    for i in range(count):
+        context = " ".join(words[(i * 7) % len(words) :][: 5 + i * 3])
+        question = QUESTIONS[i % len(QUESTIONS)]
+        content = f"{context}\n\n{question}" if i % 2 else question
+        prompts.append(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+    return prompts
+
+
 def answer_ids(tokenizer: Any, batch: int, steps: int) -> list[list[int]]:
     """One id list per request: ANSWER repeated to ``steps`` tokens, from a per-request offset."""
     ids = list(tokenizer.encode(ANSWER, add_special_tokens=False))

@@ -26,6 +26,18 @@ PROMPTS = [
 ]
 
 
+def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors files (its shards, when it has an index)."""
+    from safetensors.torch import load_file
+
+    from inlinelm.gpu.loading.model_files import weight_files
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files(folder):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
 def load_ours(folder: Path, quantization: str = "none") -> DecoderModel:
     cfg = read_model_config(folder)
     backend = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)

@@ -52,7 +52,22 @@ def check_model_fits(config: EngineConfig, folder: Path) -> ModelFit:
     """
     cfg = read_model_config(folder)
     max_model_len = resolve_max_model_len(config, cfg)
-    kv_spec = check_model_memory(
-        config, cfg, max_model_len, DTYPES[config.model_dtype], folder / "config.json"
-    )
+    dtype = DTYPES[config.model_dtype]
+    int8 = planned_int8(cfg, folder, config.weight_quantization, dtype)
+    kv_spec = check_model_memory(config, cfg, max_model_len, dtype, folder / "config.json", int8)
     return ModelFit(cfg, max_model_len, kv_spec)
+
+
+def planned_int8(cfg: ModelConfig, folder: Path, mode: str, dtype: torch.dtype) -> frozenset[str]:
+    """The modules that will hold int8 weights (``weights.int8_plan``), from the config and
+    the folder's recorded tensor types alone (a model on the meta device)."""
+    if mode == "none":
+        return frozenset()
+    from inlinelm.gpu.attention.torch_backend import TorchAttention
+    from inlinelm.gpu.loading.weights import int8_plan
+    from inlinelm.gpu.model.registry import build_model
+
+    with torch.device("meta"):
+        backend = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        model = build_model(cfg, backend, 1, None)
+    return int8_plan(model.to(dtype=dtype), cfg, folder, mode)

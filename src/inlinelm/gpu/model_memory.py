@@ -4,8 +4,9 @@
 config (a 4 TiB embedding is refused in microseconds, a billion layers without listing
 them):
 
-- the weights, in the model's dtype; our model keeps its own LM head even when the
-  checkpoint ties it to the embedding;
+- the weights, in the model's dtype, or int8 for the layers that keep int8 weights; our
+  model keeps its own float LM head even when the checkpoint ties it to the embedding (an
+  int8 one shares the embedding's);
 - the rotary cos/sin table (float32, one row per position up to ``max_model_len``);
 - the persistent batch's token and block tables (int64, ``max_num_seqs`` rows);
 - the KV cache, when its size is fixed before loading: always on a CPU, on CUDA only with
@@ -57,10 +58,15 @@ class MemoryPart:
 
 
 def memory_parts(
-    config: EngineConfig, cfg: ModelConfig, max_model_len: int, dtype: torch.dtype
+    config: EngineConfig,
+    cfg: ModelConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    int8: frozenset[str] = frozenset(),
 ) -> list[MemoryPart]:
-    """What loading ``cfg`` for ``config`` allocates up front (see the module docstring)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    """What loading ``cfg`` for ``config`` allocates up front (see the module docstring);
+    the modules named in ``int8`` keep int8 weights (``weights.int8_plan``)."""
+    embedding, layers = weight_parts(cfg, dtype, int8)
     length_blame = "max_model_len" if config.max_model_len is not None else _length_field(cfg)
     length_is_option = config.max_model_len is not None
     max_blocks = -(-max_model_len // config.block_size)
@@ -68,14 +74,14 @@ def memory_parts(
         MemoryPart(
             f"embedding and LM head: 2 x vocab_size {cfg.vocab_size} x hidden_size "
             f"{cfg.hidden_size}",
-            param_counts(cfg)[0] * itemsize,
+            embedding,
             on_device=True,
             blame="vocab_size",
         ),
         MemoryPart(
             f"decoder layers: num_hidden_layers {cfg.num_layers} x "
-            f"{param_counts(cfg)[1] / cfg.num_layers * itemsize / 2**20:.1f} MiB",
-            param_counts(cfg)[1] * itemsize,
+            f"{layers / cfg.num_layers / 2**20:.1f} MiB",
+            layers,
             on_device=True,
             blame="num_hidden_layers",
         ),
@@ -104,6 +110,7 @@ def check_model_memory(
     max_model_len: int,
     dtype: torch.dtype,
     config_path: Path,
+    int8: frozenset[str] = frozenset(),
 ) -> KVCacheSpec | None:
     """Refuse, before anything is allocated, a model this machine cannot hold (see the
     module docstring); reads only the memory counters. Returns the KV cache's spec when
@@ -111,7 +118,7 @@ def check_model_memory(
     device = torch.device(config.device)
     device_free = device_memory_free(device) if device.type == "cuda" else None
     host_free = host_memory_available()
-    parts = memory_parts(config, cfg, max_model_len, dtype)
+    parts = memory_parts(config, cfg, max_model_len, dtype, int8)
     # NOTE: the model's own parts first: a model that cannot fit is blamed on its config,
     # before the KV sizing can complain about a max_model_len the config chose.
     check_fits(parts, device_free=device_free, host_free=host_free, config_path=config_path)
@@ -220,6 +227,31 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """The model's weights in ``dtype``: embedding, LM head, final norm and every layer."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return sum(param_counts(cfg)) * itemsize
+
+
+@functools.cache
+def weight_parts(
+    cfg: ModelConfig, dtype: torch.dtype, int8: frozenset[str] = frozenset()
+) -> tuple[int, int]:
+    """Bytes of (the embedding, the LM head and the final norm; all decoder layers) with
+    the modules of ``int8`` holding int8 weights (a byte each, and a float32 scale a row;
+    a tied int8 head reads the embedding's, so it takes none) and the rest ``dtype``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    with torch.device("meta"):
+        backend = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        model = build_model(cfg, backend, 1, None)
+    sizes = [0, 0]
+    for name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            if name not in int8 or pname == "bias":
+                size = param.numel() * (_FLOAT32 if name in int8 else itemsize)
+            elif name == "lm_head" and cfg.tie_word_embeddings:
+                size = 0
+            else:  # an Embedding's weight [rows, in], a Linear's weight_t [in, rows]
+                rows = param.shape[0] if pname == "weight" else param.shape[1]
+                size = param.numel() + _FLOAT32 * rows
+            sizes[name.startswith("layers.")] += size
+    return sizes[0], sizes[1]
 
 
 @functools.cache

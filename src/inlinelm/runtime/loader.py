@@ -68,7 +68,7 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
     from inlinelm.gpu.loading.model_files import load_tokenizer, resolve_model
 
     start = time.perf_counter()
-    files = resolve_model(config.model)
+    files = resolve_model(config.model, int8=_int8_weights(config))
     fit = _check_model_fits(config, files.folder)
     tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else files.folder)
     if fit is not None:
@@ -110,6 +110,16 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
         cache_bytes=config.grammar_cache_bytes,
     )
     return LoadedEngine(core, tokenizer, max_model_len, eos, admission, grammars)
+
+
+def _int8_weights(config: EngineConfig) -> bool:
+    """Whether the runner may compute with int8 weights (then a GGUF file's conversion keeps
+    its quantized matrices as int8): a model runner on a CPU whose int8 kernel built."""
+    if config.runner == "echo" or config.weight_quantization == "none":
+        return False
+    from inlinelm.gpu.model.cpu_extension import cpu_extension
+
+    return cpu_extension() is not None
 
 
 def _check_model_fits(config: EngineConfig, folder: Path) -> ModelFit | None:

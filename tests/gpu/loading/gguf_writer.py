@@ -22,7 +22,8 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from safetensors.torch import load_file
+
+from tests.gpu.reference import folder_tensors
 
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
 GGUF_ARCHS = {
@@ -70,7 +71,7 @@ def write_family_gguf(
     writer.add_name(folder.name)
     _add_parameters(writer, config)
     _add_tokenizer(writer, folder, config["vocab_size"])
-    tensors = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    tensors = {k: v.float() for k, v in folder_tensors(folder).items()}
     tensor_map = gguf.get_tensor_name_map(_ARCHS[writer.arch], config["num_hidden_layers"])
     for name, data in _gguf_tensors(model_type, config, tensors):
         gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -268,3 +269,84 @@ def _add_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
     w.add_token_list(tokens)
     w.add_token_types([types.get(i, gguf.TokenType.USER_DEFINED) for i in range(vocab_size)])
     gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size).add_to_gguf(w)
+
+
+BLOCK_SCALE = {gguf.GGMLQuantizationType.Q8_0: 1 / 2048, gguf.GGMLQuantizationType.Q4_0: 1 / 256}
+"""The float16 scale ``d`` (the first two bytes of each block) of :func:`write_random_gguf`'s
+blocks: weights of size ~0.06 and ~0.03, as a trained model's are."""
+
+
+def write_random_gguf(
+    path: Path, config: dict[str, Any], qtype: gguf.GGMLQuantizationType, tokenizer_dir: Path
+) -> int:
+    """Write at ``path`` a Llama- or Qwen2-architecture GGUF file of the model ``config``
+    (a transformers config's fields) with random weights: every matrix of ``qtype``
+    (``Q8_0`` or ``Q4_0``) as random blocks of one scale, norms float32 ones, biases
+    float32 zeros; the tokenizer of ``tokenizer_dir`` padded to the vocabulary. Tensors are
+    made and written one at a time, so a 7B-shaped file takes a tensor's memory. Returns
+    the file's size."""
+    model_type = config["model_type"]
+    writer = gguf.GGUFWriter(str(path), GGUF_ARCHS[model_type])
+    writer.add_name(path.stem)
+    _add_parameters(writer, config)
+    _add_tokenizer(writer, tokenizer_dir, config["vocab_size"])
+    tensors = list(_random_tensors(config))
+    tensor_map = gguf.get_tensor_name_map(_ARCHS[writer.arch], config["num_hidden_layers"])
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    for name, shape in tensors:
+        gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, f"{name} has no {writer.arch} tensor"
+        if len(shape) == 2:
+            nbytes = shape[0] * shape[1] // block * size
+            byte_shape = (shape[0], shape[1] // block * size)
+            writer.add_tensor_info(gguf_name, byte_shape, np.dtype(np.uint8), nbytes, qtype)
+        else:
+            writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), 4 * shape[0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    scale = np.frombuffer(np.float16(BLOCK_SCALE[qtype]).tobytes(), dtype=np.uint8)
+    for name, shape in tensors:
+        if len(shape) == 2:
+            data = rng.integers(0, 256, size=(shape[0], shape[1] // block, size), dtype=np.uint8)
+            data[:, :, :2] = scale
+            writer.write_tensor_data(data.reshape(shape[0], -1))
+        else:
+            fill = 0.0 if name.endswith(".bias") else 1.0
+            writer.write_tensor_data(np.full(shape, fill, dtype=np.float32))
+    writer.close()
+    return path.stat().st_size
+
+
+def _random_tensors(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """The transformers tensor names and shapes of a Llama/Qwen2 model of ``config``."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    names: list[tuple[str, tuple[int, ...]]] = [
+        ("model.embed_tokens.weight", (config["vocab_size"], hidden))
+    ]
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}"
+        names += [
+            (f"{layer}.input_layernorm.weight", (hidden,)),
+            (f"{layer}.self_attn.q_proj.weight", (q, hidden)),
+            (f"{layer}.self_attn.k_proj.weight", (kv, hidden)),
+            (f"{layer}.self_attn.v_proj.weight", (kv, hidden)),
+            (f"{layer}.self_attn.o_proj.weight", (hidden, q)),
+            (f"{layer}.post_attention_layernorm.weight", (hidden,)),
+            (f"{layer}.mlp.gate_proj.weight", (inter, hidden)),
+            (f"{layer}.mlp.up_proj.weight", (inter, hidden)),
+            (f"{layer}.mlp.down_proj.weight", (hidden, inter)),
+        ]
+        if config["model_type"] == "qwen2":
+            names += [
+                (f"{layer}.self_attn.{p}.bias", (n,))
+                for p, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
+            ]
+    names.append(("model.norm.weight", (hidden,)))
+    if not config.get("tie_word_embeddings"):
+        names.append(("lm_head.weight", (config["vocab_size"], hidden)))
+    return names

@@ -32,7 +32,7 @@ from inlinelm.gpu.model.registry import parse_config
 from tests.conftest import make_tiny_model
 from tests.gpu.families import FAMILY_CONFIGS
 from tests.gpu.loading.gguf_writer import F32, GGUF_ARCHS, Q8_0, write_family_gguf
-from tests.gpu.reference import load_ours, load_reference
+from tests.gpu.reference import folder_tensors, load_ours, load_reference
 
 GGUF_CHANGES: dict[str, dict[str, Any]] = {
     # llama.cpp runs Mixtral as the llama architecture, which has no sliding window
@@ -142,7 +142,7 @@ def test_the_converted_folder_is_the_source_folder(models: Models, family: str, 
     source, converted = models.folder(family), models.converted(family, qtype)
     # 1) the tensors: every name, each within what the file's type keeps of it
     expected = load_file(str(source / "model.safetensors"))
-    got = load_file(str(converted / "model.safetensors"))
+    got = folder_tensors(converted)
     assert sorted(got) == sorted(expected)
     bounds = _rounding_bounds(models.tensor_types(family, qtype), family, expected)
     for name, tensor in expected.items():

@@ -18,16 +18,16 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from inlinelm.gpu.loading.model_files import resolve_model
-from inlinelm.gpu.loading.quantization import stored_types
+from inlinelm.gpu.loading.quantization import INT8_SCALE, stored_types
 from inlinelm.gpu.model.cpu_extension import cpu_extension
+from inlinelm.gpu.model.layers.int8 import quantize_rows
 from inlinelm.gpu.model.layers.linear import Linear
 from tests.conftest import make_tiny_model
 from tests.gpu.loading.gguf_writer import F32, write_family_gguf
 from tests.gpu.model.test_int8 import fake_quantized
-from tests.gpu.reference import load_ours, logits_atol, prefill_logits
+from tests.gpu.reference import folder_tensors, load_ours, logits_atol, prefill_logits
 
 pytestmark = pytest.mark.skipif(cpu_extension() is None, reason="the CPU extension did not build")
 
@@ -102,7 +102,7 @@ def test_a_file_of_each_type_loads_as_gguf_dequantizes_it_and_runs_int8(
     assert weights and all(types[name] == qtype for name in weights)
     # each tensor is gguf-py's dequantization of its blocks (Q rows un-permuted from
     # llama.cpp's interleaved rotary layout)
-    tensors = load_file(str(converted / "model.safetensors"))
+    tensors = folder_tensors(converted)
     for name, gguf_name in (
         ("model.embed_tokens.weight", "token_embd.weight"),
         ("model.layers.1.mlp.down_proj.weight", "blk.1.ffn_down.weight"),
@@ -129,6 +129,23 @@ def test_a_file_of_each_type_loads_as_gguf_dequantizes_it_and_runs_int8(
     assert not any(
         m.is_int8 for m in load_ours(converted, "none").modules() if isinstance(m, Linear)
     )
+    # the int8 conversion keeps each quantized matrix as the int8 rows and scales the
+    # engine computes with (nothing left to quantize at a start), and computes the same
+    # model to the bit
+    kept = resolve_model(str(path), int8=True).folder
+    assert kept != converted
+    int8_tensors = folder_tensors(kept)
+    for name in weights:
+        q, scale = quantize_rows(tensors[name])
+        assert int8_tensors[name].dtype == torch.int8, name
+        assert torch.equal(int8_tensors[name], q) and torch.equal(
+            int8_tensors[name + INT8_SCALE], scale
+        )
+    norm = "model.norm.weight"
+    assert int8_tensors[norm].dtype == torch.float32 and torch.equal(
+        int8_tensors[norm], tensors[norm]
+    )
+    assert torch.equal(prefill_logits(load_ours(kept, "auto"), ids), prefill_logits(ours, ids))
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -57,7 +57,7 @@ def test_qwen2_reads_attention_bias(tmp_path: Path, default_model_dir: Path) -> 
 def test_default_resolves_to_cached_folder(default_model_dir: Path) -> None:
     files = resolve_model("default")
     assert files.folder == default_model_dir
-    assert (files.folder / "model.safetensors").is_file()
+    assert (files.folder / "model.safetensors.index.json").is_file()
     assert (files.folder / "tokenizer.json").is_file()
 
 
@@ -185,9 +185,9 @@ def test_processes_starting_on_one_gguf_at_once_convert_it_once(
     convert = model_files._convert_gguf
     calls: list[Path] = []
 
-    def counted(source: Path, out: Path) -> None:
+    def counted(source: Path, out: Path, *, int8: bool) -> None:
         calls.append(out)
-        convert(source, out)
+        convert(source, out, int8=int8)
 
     monkeypatch.setattr(model_files, "_convert_gguf", counted)
     start = threading.Barrier(2, timeout=60)
@@ -195,7 +195,7 @@ def test_processes_starting_on_one_gguf_at_once_convert_it_once(
 
     def resolve() -> None:
         start.wait()  # NOTE: both ask before either has converted (a conversion takes seconds)
-        folders.append(model_files._from_gguf(path))
+        folders.append(model_files._from_gguf(path, int8=True))
 
     threads = [threading.Thread(target=resolve) for _ in range(2)]
     for thread in threads:

@@ -119,7 +119,8 @@ def test_rows_are_quantized_symmetrically_within_half_a_step() -> None:
 
 
 def fake_quantized(folder: Path) -> torch.nn.Module:
-    """The float model with each linear weight replaced by its int8 value times its scale."""
+    """The float model with each linear weight and the embedding replaced by its int8 value
+    times its scale (a tied LM head is then the int8 embedding's)."""
     import inlinelm.gpu.loading.weights as weights
 
     # NOTE: unpacked (oneDNN's layout is opaque), so the weights can be rewritten
@@ -131,6 +132,8 @@ def fake_quantized(folder: Path) -> torch.nn.Module:
         if isinstance(module, Linear):
             q, scale = quantize_rows(module.weight_t.data.t())
             module.weight_t.data = (q.float() * scale[:, None]).t().contiguous()
+    q, scale = quantize_rows(model.embed_tokens.weight.data)
+    model.embed_tokens.weight.data = q.float() * scale[:, None]
     return model
 
 
@@ -182,22 +185,9 @@ def test_int8_agrees_with_float32_on_the_default_models_greedy_answers(tokenizer
     from inlinelm import Engine, SamplingParams
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-    from _common import ANSWER, QUESTIONS
+    from _common import quality_prompts
 
-    words = ANSWER.split()
-    prompts = []
-    for i in range(32):
-        context = " ".join(words[(i * 7) % len(words) :][: 5 + i * 3])
-        question = QUESTIONS[i % len(QUESTIONS)]
-        content = f"{context}\n\n{question}" if i % 2 else question
-        prompts.append(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-        )
+    prompts = quality_prompts(tokenizer)
     folder = resolve_model("default").folder
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     with closing(Engine(quantization="none", num_threads=2)) as engine:

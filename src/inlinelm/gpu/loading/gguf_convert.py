@@ -1,5 +1,6 @@
 """Convert a GGUF file into the Hugging Face files transformers would save of its model:
-config.json, model.safetensors (float32) and the tokenizer files.
+config.json, safetensors shards (float32, or int8 for the matrices the file holds
+quantized) and the tokenizer files.
 
 The steps are one module each: the header (``gguf_header``: the family and its config
 fields, from ``gguf_config``), the names (``gguf_names``), the tensors (``gguf_tensors``).
@@ -16,7 +17,7 @@ from typing import Any
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.loading.gguf_header import GgufHeader, open_gguf, read_header
 from inlinelm.gpu.loading.gguf_names import TensorNames
-from inlinelm.gpu.loading.gguf_tensors import check_room, check_tensors, dequantize_all
+from inlinelm.gpu.loading.gguf_tensors import check_room, check_tensors, write_tensors
 from inlinelm.gpu.loading.quantization import GGUF_TYPES_FILE
 from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.registry import parse_config
@@ -46,17 +47,17 @@ MODEL_CARD_SAMPLING: Mapping[tuple[str, str, str, str], Mapping[str, Any]] = {
 ``size_label`` and ``finetune``: one rule, whatever path or name the file is given by."""
 
 
-def convert_gguf(path: Path, out: Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer files of ``path`` into ``out``,
-    and generation_config.json when the file recommends sampling values.
+def convert_gguf(path: Path, out: Path, *, int8: bool = False) -> None:
+    """Write config.json, the weights and the tokenizer files of ``path`` into ``out``,
+    and generation_config.json when the file recommends sampling values. The weights are
+    float32, or with ``int8`` the file's quantized matrices as int8 rows and their scales
+    (:func:`~.gguf_tensors.write_tensors`).
 
     Everything the header tells is checked before a tensor is dequantized: the
     architecture and the metadata keys the config is built from, every tensor's name,
-    shape and type, and the memory and disk the float32 copy needs. Raises
+    shape and type, and the memory and disk the conversion needs. Raises
     ``ModelLoadError`` naming the file and the key or tensor at fault.
     """
-    from safetensors.torch import save_file
-
     # NOTE: reading the header (gguf's reader) and transformers' config from it take
     # seconds each for a large vocabulary: a one-step bar says what runs (as for the
     # tokenizer, and the dequantizing's own bar).
@@ -67,10 +68,8 @@ def convert_gguf(path: Path, out: Path) -> None:
         bar.update(1)
     names = TensorNames(header.family)
     check_tensors(reader, path, header, names)
-    check_room(reader, path, out)
-    tensors, types = dequantize_all(reader, path, header, names)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
+    check_room(reader, path, out, int8=int8)
+    types = write_tensors(reader, path, header, names, out, int8=int8)
     (out / GGUF_TYPES_FILE).write_text(json.dumps(types, indent=1, sort_keys=True))
     _convert_tokenizer(path, out)
     generation = _sampling_fields(reader) or dict(MODEL_CARD_SAMPLING.get(_identity(reader), {}))

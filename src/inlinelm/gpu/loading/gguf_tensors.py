@@ -1,5 +1,6 @@
 """A GGUF file's tensors: checked against its header, then dequantized to float32 and
-turned back into the tensors transformers saves for the family.
+turned back into the tensors transformers saves for the family (kept as int8 rows with
+their scales where the file holds them quantized and the engine computes with int8).
 
 What llama.cpp's converter did is undone per family (:class:`~.gguf_names.Family`): Q/K
 rows un-permuted, Gemma's ``1 + w`` norms back to ``w`` (exact when ``1 + w`` is a float32
@@ -9,6 +10,7 @@ kept), each stacked expert tensor split into one tensor per expert.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from collections.abc import Iterator
@@ -21,6 +23,9 @@ import torch
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.loading.gguf_header import GgufHeader
 from inlinelm.gpu.loading.gguf_names import GgufTensor, TensorNames, tensor_shape
+from inlinelm.gpu.loading.model_files import WEIGHT_INDEX
+from inlinelm.gpu.loading.quantization import FLOAT_TYPES, INT8_SCALE
+from inlinelm.gpu.model.layers.int8 import BAND_FLOATS, quantize_rows
 from inlinelm.gpu.model_memory import format_bytes, host_memory_available
 from inlinelm.progress import progress_bar
 
@@ -88,27 +93,42 @@ def _required_tensors(header: GgufHeader, names: TensorNames) -> Iterator[str]:
         yield from names.layer_names(bid)
 
 
-def check_room(reader: Any, path: Path, out: Path) -> None:
-    """Refuse a conversion whose float32 tensors cannot fit the memory or the cache disk:
-    they are all held in memory, then written out."""
-    sizes = [int(t.n_elements) * _FLOAT32 for t in reader.tensors]
-    total = sum(sizes)
-    # the tensors, plus one dequantized and one copied tensor on their way in
-    need = total + 2 * max(sizes, default=0)
+def check_room(reader: Any, path: Path, out: Path, *, int8: bool) -> None:
+    """Refuse a conversion that cannot fit the memory or the cache disk: each layer's
+    tensors are held in memory (float32, with one more tensor on its way in), then
+    written out; on disk, every tensor in float32, or in int8 where ``int8`` and the file
+    holds it quantized (one byte a weight, four a row for its scale)."""
+    groups: dict[int | None, int] = {}
+    total = largest = 0
+    for t in reader.tensors:
+        size = int(t.n_elements) * _FLOAT32
+        bid = _block_of(t.name)
+        groups[bid] = groups.get(bid, 0) + size
+        largest = max(largest, size)
+        kept_int8 = int8 and t.tensor_type.name not in FLOAT_TYPES and len(t.shape) == 2
+        total += (size // _FLOAT32 + _FLOAT32 * int(t.shape[-1])) if kept_int8 else size
+    need = max(groups.values(), default=0) + 2 * largest
     available = host_memory_available()
     if available is not None and need > available:
         raise ModelLoadError(
-            f"converting it to float32 needs {format_bytes(need)} of memory, and this machine "
-            f"has {format_bytes(available)} available",
+            f"converting it needs {format_bytes(need)} of memory (a layer in float32), and "
+            f"this machine has {format_bytes(available)} available",
             path=str(path),
         )
     free_disk = shutil.disk_usage(out).free
     if total > free_disk:
         raise ModelLoadError(
-            f"its float32 copy needs {format_bytes(total)} of disk in {out.parent}, which has "
-            f"{format_bytes(free_disk)} free (INLINELM_CACHE chooses the folder)",
+            f"its converted copy needs {format_bytes(total)} of disk in {out.parent}, which "
+            f"has {format_bytes(free_disk)} free (INLINELM_CACHE chooses the folder)",
             path=str(path),
         )
+
+
+def _block_of(name: str) -> int | None:
+    """The layer a GGUF tensor belongs to (``blk.N.*``), None for the model's own."""
+    head, _, rest = name.partition(".")
+    number = rest.partition(".")[0]
+    return int(number) if head == "blk" and number.isdigit() else None
 
 
 def _can_dequantize(tensor_type: Any) -> bool:
@@ -123,37 +143,83 @@ def _can_dequantize(tensor_type: Any) -> bool:
     return True
 
 
-def dequantize_all(
-    reader: Any, path: Path, header: GgufHeader, names: TensorNames
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every weight of the file as the float32 tensors transformers saves, by name, and the
-    GGUF type each came from (``"Q4_K"``, ``"F32"``, ...), by the same names."""
-    import gguf
+def write_tensors(
+    reader: Any, path: Path, header: GgufHeader, names: TensorNames, out: Path, *, int8: bool
+) -> dict[str, str]:
+    """Write every weight of the file into ``out`` as the tensors transformers saves, one
+    safetensors shard per layer (and one for the model's own tensors) with their index, so
+    one layer is in memory at a time; return the GGUF type each came from (``"Q4_K"``,
+    ``"F32"``, ...) by the same names.
 
-    tensors: dict[str, torch.Tensor] = {}
+    Float32, or with ``int8``, each matrix the file holds quantized as int8 rows with one
+    float32 scale each (:data:`~inlinelm.gpu.loading.quantization.INT8_SCALE`), as the
+    engine computes with it: a quarter of the disk and of the next start's reading, and
+    nothing left to quantize then.
+    """
+    import gguf
+    from safetensors.torch import save_file
+
+    groups: dict[int | None, list[Any]] = {}
+    for t in reader.tensors:
+        if t.name not in names.config:
+            groups.setdefault(_block_of(t.name), []).append(t)
+    order = sorted(groups, key=lambda bid: -1 if bid is None else bid)
     types: dict[str, str] = {}
-    items = [t for t in reader.tensors if t.name not in names.config]
-    total = sum(int(t.n_bytes) for t in items)
-    done = 0
+    weight_map: dict[str, str] = {}
+    total = sum(int(t.n_bytes) for group in groups.values() for t in group)
     desc = f"converting {path.name} (once)"
     with progress_bar(total, desc, unit="B", unit_scale=True, unit_divisor=1024) as bar:
-        for i, t in enumerate(items):
-            bid, tensor = _lookup(names, t.name)
-            array = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-            undone = dict(_undo(array, bid, tensor, header))
-            tensors.update(undone)
-            types.update(dict.fromkeys(undone, t.tensor_type.name))
-            done += int(t.n_bytes)
-            bar.update(int(t.n_bytes))
-            if i % 40 == 0 or i == len(items) - 1:
-                logger.info(
-                    "dequantized %d/%d tensors (%.1f/%.1f MiB)",
-                    i + 1,
-                    len(items),
-                    done / 2**20,
-                    total / 2**20,
-                )
-    return tensors, types
+        for i, bid in enumerate(order):
+            tensors: dict[str, torch.Tensor] = {}
+            for t in groups[bid]:
+                found_bid, tensor = _lookup(names, t.name)
+                types.update(dict.fromkeys(_hf_names(found_bid, tensor, t), t.tensor_type.name))
+                if int8 and t.tensor_type.name not in FLOAT_TYPES and len(t.shape) >= 2:
+                    q, scale = _int8_rows(t)
+                    for (name, value), (_, s) in zip(
+                        _undo(q, found_bid, tensor, header),
+                        _undo(scale, found_bid, tensor, header),
+                        strict=True,
+                    ):
+                        tensors[name], tensors[name + INT8_SCALE] = value, s[:, 0].contiguous()
+                else:
+                    array = gguf.quants.dequantize(t.data, t.tensor_type)
+                    array = np.asarray(array, dtype=np.float32)
+                    tensors.update(_undo(array, found_bid, tensor, header))
+                bar.update(int(t.n_bytes))
+            shard = f"model-{i + 1:05d}-of-{len(order):05d}.safetensors"
+            save_file(tensors, str(out / shard), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, shard))
+            logger.info("converted %d/%d layers of %s", i + 1, len(order), path.name)
+    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / WEIGHT_INDEX).write_text(json.dumps(index, indent=1))
+    return types
+
+
+def _int8_rows(t: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A quantized GGUF tensor as int8 rows [..., rows, cols] and their float32 scales
+    [..., rows, 1] (``quantize_rows`` of its dequantized rows), a band of rows at a time:
+    a large matrix is never whole in float32."""
+    import gguf
+
+    data = t.data.reshape(-1, t.data.shape[-1])  # one row of blocks per weight row
+    cols = int(t.shape[0])  # NOTE: GGUF lists the row length first
+    q = np.empty((data.shape[0], cols), dtype=np.int8)
+    scale = np.empty((data.shape[0], 1), dtype=np.float32)
+    band = max(1, BAND_FLOATS // cols)
+    for r0 in range(0, data.shape[0], band):
+        rows = gguf.quants.dequantize(data[r0 : r0 + band], t.tensor_type)
+        qs, ss = quantize_rows(torch.from_numpy(np.asarray(rows, dtype=np.float32)))
+        q[r0 : r0 + band], scale[r0 : r0 + band, 0] = qs.numpy(), ss.numpy()
+    lead = t.data.shape[:-1]
+    return q.reshape(*lead, cols), scale.reshape(*lead, 1)
+
+
+def _hf_names(bid: int | None, tensor: GgufTensor, t: Any) -> list[str]:
+    """The transformers names one GGUF tensor becomes (one per expert when stacked)."""
+    if not tensor.stacked:
+        return [tensor.hf_name.format(bid=bid)]
+    return [tensor.hf_name.format(bid=bid, xid=xid) for xid in range(int(t.shape[-1]))]
 
 
 def _lookup(names: TensorNames, name: str) -> tuple[int | None, GgufTensor]:

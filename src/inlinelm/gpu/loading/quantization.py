@@ -5,8 +5,9 @@ A GGUF file's conversion records the type each tensor was stored in
 runs int8 when every checkpoint weight it is made of was stored quantized (``Q8_0``,
 ``Q4_K``, ...): the file's author chose a quantized model, and int8 reads a quarter of
 float32's bytes. A float checkpoint (or a GGUF's F32/F16/BF16 tensors) stays float.
-``"int8"`` quantizes every linear layer; ``"none"`` none. The tied LM head is made of the
-embedding, so it follows the embedding's type.
+``"int8"`` quantizes every linear layer and the embedding; ``"none"`` none. The embedding
+follows the rule of a linear layer (a lookup reads its int8 rows times their scales), and
+the tied LM head is made of it, so it follows the embedding's type.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ logger = logging.getLogger(__name__)
 
 GGUF_TYPES_FILE = "gguf_tensor_types.json"
 """``{checkpoint tensor name: GGUF type name}`` of a converted GGUF file."""
+
+INT8_SCALE = "_scale"
+"""An int8 checkpoint tensor ``W`` (``I8``, [out, in]: what a GGUF file's int8 conversion
+writes) comes with its float32 scales [out] as the tensor ``W + INT8_SCALE``: row ``i`` is
+``W[i] * scale[i]``."""
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 

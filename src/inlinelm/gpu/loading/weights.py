@@ -20,9 +20,12 @@ import torch
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.attention.metadata import AttentionBackend
 from inlinelm.gpu.loading.model_files import weight_files
-from inlinelm.gpu.loading.quantization import int8_modules, stored_types
+from inlinelm.gpu.loading.quantization import INT8_SCALE, int8_modules, stored_types
 from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.model.cpu_extension import cpu_extension
 from inlinelm.gpu.model.kernels import Kernels
+from inlinelm.gpu.model.layers.embedding import Embedding
+from inlinelm.gpu.model.layers.int8 import quantize_rows
 from inlinelm.gpu.model.layers.linear import Linear, onednn_packing_available
 from inlinelm.gpu.model.layers.moe import SparseMoE
 from inlinelm.gpu.model.models.decoder import DecoderModel
@@ -57,8 +60,11 @@ def load_model(
     """Build the model and fill every parameter from ``folder/*.safetensors``.
 
     ``kernels`` defaults to :class:`~inlinelm.gpu.model.kernels.TorchKernels`.
-    ``quantization`` (``"auto"``, ``"int8"`` or ``"none"``; a CPU's) picks the linear layers
-    that keep int8 weights (:mod:`~inlinelm.gpu.loading.quantization`).
+    ``quantization`` (``"auto"``, ``"int8"`` or ``"none"``; a CPU's) picks the layers that
+    keep int8 weights (:func:`int8_plan`). Those never hold their float weights: each
+    checkpoint tensor is quantized as it is read (or copied, when the folder holds it as
+    int8 already: a GGUF file's int8 conversion), so the weights take their int8 bytes
+    plus one float tensor at a time.
 
     Raises ``ModelLoadError`` naming the file and tensor for unreadable or truncated
     files, shape mismatches, non-float tensors (both checked from the header, before the
@@ -68,14 +74,18 @@ def load_model(
     start = time.perf_counter()
     with torch.device("meta"):
         model = build_model(cfg, backend, 1, kernels)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    int8 = int8_plan(model, cfg, folder, quantization)
+    _allocate_int8(model, int8, device)
+    model = model.to_empty(device=device)
     model.set_max_positions(max_positions)
     params = _destinations(model)
     loaded = _load_files(folder, cfg, params)
     _check_complete(folder, cfg, params, loaded)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and not model.lm_head.is_int8:
         model.lm_head.weight_t.data.copy_(model.embed_tokens.weight.data.t())
-    _quantize(model, cfg, folder, quantization)
+    linears = sum(isinstance(m, Linear) for m in model.modules())
+    logger.info("int8 weights in %d of %d linear layers", len(int8 - {"embed_tokens"}), linears)
     if onednn_packing_available(device, dtype):
         _pack_for_onednn(model)
     logger.info("loaded %s weights in %.2f s", folder.name, time.perf_counter() - start)
@@ -85,11 +95,18 @@ def load_model(
     return model.eval()
 
 
-def _quantize(model: DecoderModel, cfg: ModelConfig, folder: Path, mode: str) -> None:
-    """Give the linear layers ``mode`` picks int8 weights (see ``Linear.quantize_int8``)."""
+def int8_plan(model: DecoderModel, cfg: ModelConfig, folder: Path, mode: str) -> frozenset[str]:
+    """The modules of ``model`` (linear layers, and ``"embed_tokens"``) that keep int8
+    weights under ``mode`` (:func:`~inlinelm.gpu.loading.quantization.int8_modules`); none
+    where the CPU kernel did not build. A tied LM head is made of the embedding: the two
+    are int8 together, and share one copy."""
     if mode == "none":
-        return
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+        return frozenset()
+    if cpu_extension() is None:
+        logger.warning("int8 weights need the CPU extension, which did not build: float")
+        return frozenset()
+    modules = [name for name, m in model.named_modules() if isinstance(m, Linear)]
+    modules.append("embed_tokens")
     sources: dict[str, list[str]] = {}
     types = stored_types(folder)
     for name in types:
@@ -97,12 +114,59 @@ def _quantize(model: DecoderModel, cfg: ModelConfig, folder: Path, mode: str) ->
         if target is not None and target.param.endswith(".weight"):
             sources.setdefault(target.param.removesuffix(".weight"), []).append(name)
     if cfg.tie_word_embeddings:
-        sources["lm_head"] = ["model.embed_tokens.weight"]
-    chosen = int8_modules(mode, linears, sources, types)
-    refused = [name for name in chosen if not linears[name].quantize_int8()]
-    if refused:
-        logger.warning("int8 refused at %s (this torch has no int8 kernel): float", refused[0])
-    logger.info("int8 weights in %d of %d linear layers", len(chosen) - len(refused), len(linears))
+        sources["lm_head"] = sources.get("embed_tokens", [])
+    chosen = set(int8_modules(mode, modules, sources, types))
+    if cfg.tie_word_embeddings and ("lm_head" in chosen) != ("embed_tokens" in chosen):
+        chosen |= {"lm_head", "embed_tokens"}
+    return frozenset(chosen)
+
+
+def _allocate_int8(model: DecoderModel, int8: frozenset[str], device: torch.device) -> None:
+    """Give the modules of ``int8`` their (unfilled) int8 weights and scales on ``device``,
+    before the float parameters are allocated (theirs then take no memory)."""
+    modules = dict(model.named_modules())
+    for name in int8:
+        if name == "lm_head" and model.config.tie_word_embeddings:
+            continue
+        module = modules[name]
+        rows, cols = (
+            module.weight.shape if isinstance(module, Embedding) else module.weight_t.T.shape
+        )
+        q = torch.empty(rows, cols, dtype=torch.int8, device=device)
+        module.use_int8(q, torch.empty(rows, dtype=torch.float32, device=device))
+    embedding = model.embed_tokens.int8
+    if "lm_head" in int8 and model.config.tie_word_embeddings:
+        assert embedding is not None, "a tied head is int8 with its embedding"
+        model.lm_head.use_int8(*embedding)
+
+
+@dataclass(frozen=True, slots=True)
+class _Int8Rows:
+    """The int8 weights of a module (or the rows a fused one takes from a checkpoint
+    tensor) and their scales: a loading destination, filled by :func:`_fill`."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def __getitem__(self, rows: slice) -> _Int8Rows:
+        return _Int8Rows(self.q[rows], self.scale[rows])
+
+
+def _fill(dest: torch.Tensor | _Int8Rows, tensor: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """Copy a checkpoint tensor (float, or int8 rows with their ``scale``) into ``dest``:
+    quantized for an int8 destination, dequantized for a float one."""
+    if isinstance(dest, _Int8Rows):
+        q, scale = (tensor, scale) if scale is not None else quantize_rows(tensor)
+        dest.q.copy_(q)
+        dest.scale.copy_(scale)
+    elif scale is not None:
+        dest.copy_(tensor.float() * scale[:, None])
+    else:
+        dest.copy_(tensor)
 
 
 def _pack_for_onednn(model: DecoderModel) -> None:
@@ -113,15 +177,21 @@ def _pack_for_onednn(model: DecoderModel) -> None:
             return
 
 
-def _destinations(model: DecoderModel) -> dict[str, torch.Tensor]:
+def _destinations(model: DecoderModel) -> dict[str, torch.Tensor | _Int8Rows]:
     """Every loadable tensor under its checkpoint-style name, in the checkpoint's orientation
-    (a ``Linear``'s transposed storage is exposed as a ``.weight`` view of shape [out, in];
-    the experts of a sparse MLP by their per-expert names)."""
-    views: dict[str, torch.Tensor] = {}
+    (a ``Linear``'s transposed storage is exposed as a ``.weight`` view of shape [out, in],
+    an int8 module's weights as :class:`_Int8Rows`; the experts of a sparse MLP by their
+    per-expert names)."""
+    views: dict[str, torch.Tensor | _Int8Rows] = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
+        int8 = _int8_of(module)
         if isinstance(module, SparseMoE):
             views.update({f"{prefix}{k}": v for k, v in module.expert_weights().items()})
+        elif int8 is not None:
+            views[f"{prefix}weight"] = _Int8Rows(*int8)
+            if isinstance(module, Linear) and module.bias is not None:
+                views[f"{prefix}bias"] = module.bias.data
         elif isinstance(module, Linear):
             views[f"{prefix}weight"] = module.weight_t.data.t()
             if module.bias is not None:
@@ -132,7 +202,17 @@ def _destinations(model: DecoderModel) -> dict[str, torch.Tensor]:
     return views
 
 
-def _load_files(folder: Path, cfg: ModelConfig, params: dict[str, torch.Tensor]) -> set[_Target]:
+def _int8_of(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if isinstance(module, Linear):
+        return module.int8
+    if isinstance(module, Embedding):
+        return module.int8
+    return None
+
+
+def _load_files(
+    folder: Path, cfg: ModelConfig, params: dict[str, torch.Tensor | _Int8Rows]
+) -> set[_Target]:
     from safetensors import SafetensorError
 
     loaded: set[_Target] = set()
@@ -161,29 +241,67 @@ def _load_files(folder: Path, cfg: ModelConfig, params: dict[str, torch.Tensor])
 
 
 def _load_file(
-    path: Path, cfg: ModelConfig, params: dict[str, torch.Tensor], loaded: set[_Target], bar: Any
+    path: Path,
+    cfg: ModelConfig,
+    params: dict[str, torch.Tensor | _Int8Rows],
+    loaded: set[_Target],
+    bar: Any,
 ) -> int:
     """Copy the tensors of one file into ``params`` (adding them to ``loaded``), advancing
     ``bar`` by each tensor's bytes; returns the bytes counted. Each tensor's dtype and
-    shape are checked from the header before its data is read."""
+    shape are checked from the header before its data is read. An int8 tensor (``I8``) is
+    read with its scales, the float32 tensor of the same name plus ``_scale``."""
     from safetensors import safe_open
 
     num_bytes = 0
     with safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())
         for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            if name.endswith(INT8_SCALE) and name.removesuffix(INT8_SCALE) in names:
+                continue  # read with its weight
             target = _target(name, cfg)
             if target is None:
                 continue
             header = f.get_slice(name)
             dest = _destination(target, params, cfg, path, name)
-            _check_header(header.get_dtype(), tuple(header.get_shape()), dest, path, name)
+            shape = tuple(header.get_shape())
+            _check_header(header.get_dtype(), shape, dest, path, name, name + INT8_SCALE in names)
+            scale = None
+            if header.get_dtype() == "I8":
+                scale = _int8_scale(f, names, name, shape, path)
             tensor = f.get_tensor(name)
-            dest.copy_(tensor)
+            _fill(dest, tensor, scale)
             loaded.add(target)
-            size = tensor.numel() * tensor.element_size()
+            size = tensor.numel() * tensor.element_size() + (
+                0 if scale is None else scale.numel() * 4
+            )
             bar.update(size)
             num_bytes += size
     return num_bytes
+
+
+def _int8_scale(
+    f: Any, names: set[str], name: str, shape: tuple[int, ...], path: Path
+) -> torch.Tensor:
+    """The float32 scales [rows] of the int8 tensor ``name`` (``ModelLoadError`` when they
+    are missing or misshapen: an int8 tensor is ours only with them)."""
+    scale_name = name + INT8_SCALE
+    if len(shape) != 2 or scale_name not in names:
+        raise ModelLoadError(
+            f"an int8 tensor needs a 2-D shape and its float32 scales {scale_name}",
+            path=str(path),
+            field=name,
+        )
+    header = f.get_slice(scale_name)
+    if header.get_dtype() != "F32" or tuple(header.get_shape()) != shape[:1]:
+        raise ModelLoadError(
+            f"int8 scales must be F32 of shape {shape[:1]}, file has {header.get_dtype()} "
+            f"{tuple(header.get_shape())}",
+            path=str(path),
+            field=scale_name,
+        )
+    scale: torch.Tensor = f.get_tensor(scale_name)
+    return scale
 
 
 def _target(name: str, cfg: ModelConfig) -> _Target | None:
@@ -233,8 +351,12 @@ def _rows(target: _Target, cfg: ModelConfig) -> tuple[int, int] | None:
 
 
 def _destination(
-    target: _Target, params: dict[str, torch.Tensor], cfg: ModelConfig, path: Path, name: str
-) -> torch.Tensor:
+    target: _Target,
+    params: dict[str, torch.Tensor | _Int8Rows],
+    cfg: ModelConfig,
+    path: Path,
+    name: str,
+) -> torch.Tensor | _Int8Rows:
     """The parameter (or the rows of a fused one) a checkpoint tensor is copied into."""
     if target.param not in params:
         raise ModelLoadError(
@@ -246,12 +368,19 @@ def _destination(
 
 
 def _check_header(
-    dtype: str, shape: tuple[int, ...], dest: torch.Tensor, path: Path, name: str
+    dtype: str,
+    shape: tuple[int, ...],
+    dest: torch.Tensor | _Int8Rows,
+    path: Path,
+    name: str,
+    has_scale: bool,
 ) -> None:
-    """A checkpoint tensor's header entry against the parameter it fills."""
-    if dtype not in _FLOAT_DTYPES:
+    """A checkpoint tensor's header entry against the parameter it fills (int8 only with
+    its scales: they are checked with it)."""
+    if dtype not in _FLOAT_DTYPES and not (dtype == "I8" and has_scale):
         raise ModelLoadError(
-            f"unsupported weight dtype {dtype} (supported: {', '.join(_FLOAT_DTYPES)})",
+            f"unsupported weight dtype {dtype} (supported: {', '.join(_FLOAT_DTYPES)}, and I8 "
+            f"with its float32 scales as {name}{INT8_SCALE})",
             path=str(path),
             field=name,
         )
@@ -264,7 +393,10 @@ def _check_header(
 
 
 def _check_complete(
-    folder: Path, cfg: ModelConfig, params: dict[str, torch.Tensor], loaded: set[_Target]
+    folder: Path,
+    cfg: ModelConfig,
+    params: dict[str, torch.Tensor | _Int8Rows],
+    loaded: set[_Target],
 ) -> None:
     # NOTE: a fused parameter is complete from its shards or from one fused tensor.
     whole = {t.param for t in loaded if t.shard == "all"}

@@ -35,12 +35,20 @@ but its LM head, whose whole float copy would be a large temporary."""
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [out, in] as int8 and one float32 scale per row (symmetric: the row's
-    largest magnitude maps to 127; an all-zero row gets scale 1)."""
-    weight = weight.float()
-    scale = weight.abs().amax(dim=1) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
+    largest magnitude maps to 127; an all-zero row gets scale 1). Computed in bands of
+    rows (:data:`BAND_FLOATS` values), so a large matrix (an LM head) needs a band's
+    temporaries, not several copies of itself."""
+    rows, cols = weight.shape
+    q = torch.empty(rows, cols, dtype=torch.int8)
+    scale = torch.empty(rows, dtype=torch.float32)
+    band = max(1, BAND_FLOATS // max(cols, 1))
+    for r0 in range(0, rows, band):
+        part = weight[r0 : r0 + band].float()
+        s = part.abs().amax(dim=1) / 127
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q[r0 : r0 + band] = torch.round(part / s[:, None]).clamp(-127, 127).to(torch.int8)
+        scale[r0 : r0 + band] = s
+    return q, scale
 
 
 def int8_matmul(

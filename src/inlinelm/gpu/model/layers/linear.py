@@ -35,19 +35,32 @@ class Linear(nn.Module):
     def is_int8(self) -> bool:
         return self._int8 is not None
 
+    @property
+    def int8(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The int8 weights [out, in] and their scales [out], or None for float weights."""
+        return self._int8
+
     def quantize_int8(self) -> bool:
         """Keep the weight only as int8, one scale per output channel, on a CPU (after
         loading; not reversible); the inputs stay float (:mod:`.int8` says why and
         measures it). False, and the layer stays float, where the kernel did not build."""
         if cpu_extension() is None:
             return False
-        q, scale = quantize_rows(self.weight_t.data.t())
+        self.use_int8(*quantize_rows(self.weight_t.data.t()))
+        return True
+
+    def use_int8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Compute with int8 weights ``q`` [out, in] and their float32 ``scale`` [out] (a
+        loader fills them in place, row by row, or shares another module's: the tied LM
+        head reads the embedding's); the float weight is dropped. Only where
+        ``cpu_extension()`` built."""
+        in_features, out_features = self.weight_t.shape
+        assert tuple(q.shape) == (out_features, in_features) and q.dtype == torch.int8
         self._int8 = (q, scale)
         self._packed = None
-        self.weight_t.data = torch.empty(0, dtype=self.weight_t.dtype)
+        self.weight_t.data = torch.empty(0, dtype=self.weight_t.dtype, device=self.weight_t.device)
         if self.bias is not None:
             self.bias.data = self.bias.data.float()
-        return True
 
     def pack_for_onednn(self) -> bool:
         """Keep the weight only in oneDNN's CPU layout (after loading; not reversible).

@@ -20,6 +20,7 @@ from inlinelm.gpu.attention.metadata import AttentionBackend, AttentionMetadata
 from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.kernels import Kernels, TorchKernels
 from inlinelm.gpu.model.layers.attention import Attention, Ropes
+from inlinelm.gpu.model.layers.embedding import Embedding
 from inlinelm.gpu.model.layers.linear import Linear
 from inlinelm.gpu.model.layers.mlp import GatedMLP
 from inlinelm.gpu.model.layers.moe import SparseMoE
@@ -95,7 +96,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.kernels = kernels or TorchKernels()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             self.layer_class(cfg, i, backend, self.kernels) for i in range(cfg.num_layers)
         )

@@ -1,4 +1,5 @@
-"""End to end on this CPU: the default model in fp32, inlinelm against transformers.
+"""End to end on this CPU: the default model in fp32, inlinelm against transformers
+(``--quantization auto``: inlinelm with int8 weights, its CPU default, against the same).
 
 (a) one request, 64 new tokens: TTFT and ms per decoded token, inlinelm and transformers
     ``generate`` alternately, three times each (medians).
@@ -89,12 +90,14 @@ async def inlinelm_run(
     *,
     repeats: int = 3,
     reference: Callable[[], dict[str, Any]] | None = None,
+    quantization: str = "none",
 ) -> dict[str, Any]:
-    """(a) ``repeats`` times, alternating with ``reference`` (run off the loop), then (b)."""
+    """(a) ``repeats`` times, alternating with ``reference`` (run off the loop), then (b);
+    the engine's weights float32 (``quantization="none"``) or int8 (``"auto"``)."""
     from inlinelm import Engine
     from inlinelm.sampling_params import SamplingParams
 
-    engine = Engine(model="default", dtype="float32")
+    engine = Engine(model="default", dtype="float32", quantization=quantization)
     start = time.perf_counter()
     await engine.start()
     load_s = time.perf_counter() - start
@@ -341,6 +344,12 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=500)
     parser.add_argument("--repeats", type=int, default=3, help="(a) runs per system")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "auto"),
+        help='inlinelm\'s weights: "none" float32, as transformers\' (the default), "auto" int8',
+    )
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -370,7 +379,16 @@ def main() -> None:
             run["tokens"] = run["tokens"][0]
             return run
 
-    ours = asyncio.run(inlinelm_run(prompts, n, single, repeats=args.repeats, reference=reference))
+    ours = asyncio.run(
+        inlinelm_run(
+            prompts,
+            n,
+            single,
+            repeats=args.repeats,
+            reference=reference,
+            quantization=args.quantization,
+        )
+    )
     print(f"  inlinelm and (a) done (load {ours['load_s']:.1f} s)", flush=True)
     gc.collect()
     s1 = ours.pop("reference_single")
@@ -379,6 +397,7 @@ def main() -> None:
         "requests": args.requests,
         "prompt_tokens": [len(p) for p in prompts],
         "torch_threads": torch.get_num_threads(),
+        "quantization": args.quantization,
         "inlinelm": ours,
     }
     if peer is not None and s1 is not None:

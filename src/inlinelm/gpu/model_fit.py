@@ -11,6 +11,7 @@ import torch
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.kv_cache import KVCacheSpec
+from inlinelm.gpu.loading.weights import Int8Plan
 from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.registry import read_model_config
 from inlinelm.gpu.model_memory import check_model_memory
@@ -58,11 +59,11 @@ def check_model_fits(config: EngineConfig, folder: Path) -> ModelFit:
     return ModelFit(cfg, max_model_len, kv_spec)
 
 
-def planned_int8(cfg: ModelConfig, folder: Path, mode: str, dtype: torch.dtype) -> frozenset[str]:
+def planned_int8(cfg: ModelConfig, folder: Path, mode: str, dtype: torch.dtype) -> Int8Plan:
     """The modules that will hold int8 weights (``weights.int8_plan``), from the config and
     the folder's recorded tensor types alone (a model on the meta device)."""
     if mode == "none":
-        return frozenset()
+        return {}
     from inlinelm.gpu.attention.torch_backend import TorchAttention
     from inlinelm.gpu.loading.weights import int8_plan
     from inlinelm.gpu.model.registry import build_model

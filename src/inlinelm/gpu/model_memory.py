@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def memory_parts(
     cfg: ModelConfig,
     max_model_len: int,
     dtype: torch.dtype,
-    int8: frozenset[str] = frozenset(),
+    int8: Mapping[str, int] | None = None,
 ) -> list[MemoryPart]:
     """What loading ``cfg`` for ``config`` allocates up front (see the module docstring);
     the modules named in ``int8`` keep int8 weights (``weights.int8_plan``)."""
@@ -110,7 +111,7 @@ def check_model_memory(
     max_model_len: int,
     dtype: torch.dtype,
     config_path: Path,
-    int8: frozenset[str] = frozenset(),
+    int8: Mapping[str, int] | None = None,
 ) -> KVCacheSpec | None:
     """Refuse, before anything is allocated, a model this machine cannot hold (see the
     module docstring); reads only the memory counters. Returns the KV cache's spec when
@@ -229,13 +230,21 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return sum(param_counts(cfg)) * itemsize
 
 
-@functools.cache
 def weight_parts(
-    cfg: ModelConfig, dtype: torch.dtype, int8: frozenset[str] = frozenset()
+    cfg: ModelConfig, dtype: torch.dtype, int8: Mapping[str, int] | None = None
 ) -> tuple[int, int]:
     """Bytes of (the embedding, the LM head and the final norm; all decoder layers) with
-    the modules of ``int8`` holding int8 weights (a byte each, and a float32 scale a row;
-    a tied int8 head reads the embedding's, so it takes none) and the rest ``dtype``."""
+    the modules of ``int8`` holding int8 weights (a byte each, and a float32 scale per row
+    or per each of the row's scale groups, ``int8``'s values; a tied int8 head reads the
+    embedding's, so it takes none) and the rest ``dtype``."""
+    return _weight_parts(cfg, dtype, tuple(sorted((int8 or {}).items())))
+
+
+@functools.cache
+def _weight_parts(
+    cfg: ModelConfig, dtype: torch.dtype, int8_items: tuple[tuple[str, int], ...]
+) -> tuple[int, int]:
+    int8 = dict(int8_items)
     itemsize = torch.empty((), dtype=dtype).element_size()
     with torch.device("meta"):
         backend = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -249,7 +258,7 @@ def weight_parts(
                 size = 0
             else:  # an Embedding's weight [rows, in], a Linear's weight_t [in, rows]
                 rows = param.shape[0] if pname == "weight" else param.shape[1]
-                size = param.numel() + _FLOAT32 * rows
+                size = param.numel() + _FLOAT32 * rows * int8[name]
             sizes[name.startswith("layers.")] += size
     return sizes[0], sizes[1]
 

@@ -22,7 +22,7 @@ import torch
 from inlinelm.gpu.loading.model_files import resolve_model
 from inlinelm.gpu.loading.quantization import INT8_SCALE, stored_types
 from inlinelm.gpu.model.cpu_extension import cpu_extension
-from inlinelm.gpu.model.layers.int8 import quantize_rows
+from inlinelm.gpu.model.layers.int8 import quantize_groups
 from inlinelm.gpu.model.layers.linear import Linear
 from tests.conftest import make_tiny_model
 from tests.gpu.loading.gguf_writer import F32, write_family_gguf
@@ -136,7 +136,9 @@ def test_a_file_of_each_type_loads_as_gguf_dequantizes_it_and_runs_int8(
     assert kept != converted
     int8_tensors = folder_tensors(kept)
     for name in weights:
-        q, scale = quantize_rows(tensors[name])
+        # a Q8_0 file's own values and block scales; any other type's rows quantized
+        groups = tensors[name].shape[1] // 32 if qtype == "Q8_0" else 1
+        q, scale = quantize_groups(tensors[name], groups)
         assert int8_tensors[name].dtype == torch.int8, name
         assert torch.equal(int8_tensors[name], q) and torch.equal(
             int8_tensors[name + INT8_SCALE], scale

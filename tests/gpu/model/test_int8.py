@@ -27,7 +27,13 @@ from inlinelm.errors import ConfigError
 from inlinelm.gpu.loading.model_files import resolve_model
 from inlinelm.gpu.model import cpu_extension as extension
 from inlinelm.gpu.model.cpu_extension import cpu_extension
-from inlinelm.gpu.model.layers.int8 import FEW_ROWS_MAX, int8_matmul, quantize_rows
+from inlinelm.gpu.model.layers.int8 import (
+    FEW_ROWS_MAX,
+    dequantize,
+    int8_matmul,
+    quantize_groups,
+    quantize_rows,
+)
 from inlinelm.gpu.model.layers.linear import Linear
 from tests.gpu.reference import load_ours, logits_atol, prefill_logits
 
@@ -39,11 +45,61 @@ U = torch.finfo(torch.float32).eps / 2
 def reference(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact product in float64, and float32's bound on a K-term sum's error."""
-    w = q.double() * scale.double()[:, None]
+    """The exact product in float64, and float32's bound on a K-term sum's error (a scale
+    per row, or per group of a row)."""
+    w = dequantized(q, scale).double()
     exact = x.double() @ w.T + (0 if bias is None else bias.double())
     magnitude = x.double().abs() @ w.abs().T + (0 if bias is None else bias.double().abs())
     return exact, (x.shape[1] + 2) * U * magnitude + 1e-30
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q`` times its scales in float32: one per row ([N]) or per group ([N, S])."""
+    groups = scale.reshape(q.shape[0], -1)
+    return (q.float().reshape(q.shape[0], groups.shape[1], -1) * groups[:, :, None]).reshape(
+        q.shape
+    )
+
+
+def test_group_quantization_is_each_groups_own_and_dequantizes_within_half_a_step() -> None:
+    weight = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+    weight[:, 32:64] *= 100
+    q, scale = quantize_groups(weight, 4)
+    assert scale.shape == (6, 4)
+    assert torch.equal(q[:, 64:96], quantize_rows(weight[:, 64:96])[0])
+    assert torch.equal(dequantize(q, scale), dequantized(q, scale))
+    error = (dequantize(q, scale) - weight).abs().reshape(6, 4, 32)
+    assert (error <= scale[:, :, None] / 2 * (1 + 1e-6)).all()
+    per_row = (dequantize(*quantize_rows(weight)) - weight).abs()
+    assert per_row[:, 64:].max() > 10 * error[:, 2:].max(), "groups keep small groups fine"
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 13, FEW_ROWS_MAX + 1])
+@pytest.mark.parametrize(("out", "inp", "group"), [(962, 576, 32), (7, 64, 32), (33, 64, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_group_scales_are_the_dequantized_product(
+    rows: int, out: int, inp: int, group: int, with_bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + out + group)
+    weight = torch.randn(out, inp, generator=gen)
+    weight[:, :group] *= 50  # NOTE: one large group per row: a per-row scale would blur the rest
+    q, scale = quantize_groups(weight, inp // group)
+    x = torch.randn(rows, inp, generator=gen) * 3
+    bias = torch.randn(out, generator=gen) if with_bias else None
+    exact, bound = reference(x, q, scale, bias)
+    got = int8_matmul(x, q, scale, bias)
+    assert got.shape == (rows, out) and got.dtype == torch.float32
+    assert ((got.double() - exact).abs() <= bound).all()
+    kernel = cpu_extension()
+    assert torch.equal(kernel.dequantize_rows(q, scale, 3, 7), dequantized(q, scale)[3:7])
+
+
+def test_group_scales_that_do_not_split_the_rows_are_refused() -> None:
+    q = torch.zeros(4, 64, dtype=torch.int8)
+    x = torch.zeros(1, 64)
+    for scale in (torch.ones(4, 3), torch.ones(4, 128), torch.ones(3, 2), torch.ones(4, 2, 1)):
+        with pytest.raises(RuntimeError, match=r"group|scale"):
+            int8_matmul(x, q, scale, None)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 16, 33, FEW_ROWS_MAX, FEW_ROWS_MAX + 1])
@@ -120,7 +176,8 @@ def test_rows_are_quantized_symmetrically_within_half_a_step() -> None:
 
 def fake_quantized(folder: Path) -> torch.nn.Module:
     """The float model with each linear weight and the embedding replaced by its int8 value
-    times its scale (a tied LM head is then the int8 embedding's)."""
+    times its scale (a tied LM head is then the int8 embedding's), per row or per group as
+    the loader's plan says (a Q8_0 file's blocks)."""
     import inlinelm.gpu.loading.weights as weights
 
     # NOTE: unpacked (oneDNN's layout is opaque), so the weights can be rewritten
@@ -128,12 +185,13 @@ def fake_quantized(folder: Path) -> torch.nn.Module:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(weights, "onednn_packing_available", lambda *args: False)
         model = load_ours(folder)
-    for module in model.modules():
+    plan = weights.int8_plan(model, model.config, folder, "int8")
+    for name, module in model.named_modules():
         if isinstance(module, Linear):
-            q, scale = quantize_rows(module.weight_t.data.t())
-            module.weight_t.data = (q.float() * scale[:, None]).t().contiguous()
-    q, scale = quantize_rows(model.embed_tokens.weight.data)
-    model.embed_tokens.weight.data = q.float() * scale[:, None]
+            q, scale = quantize_groups(module.weight_t.data.t(), plan[name])
+            module.weight_t.data = dequantize(q, scale).t().contiguous()
+    q, scale = quantize_groups(model.embed_tokens.weight.data, plan["embed_tokens"])
+    model.embed_tokens.weight.data = dequantize(q, scale)
     return model
 
 

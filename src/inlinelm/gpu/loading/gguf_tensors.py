@@ -181,7 +181,9 @@ def write_tensors(
                         _undo(scale, found_bid, tensor, header),
                         strict=True,
                     ):
-                        tensors[name], tensors[name + INT8_SCALE] = value, s[:, 0].contiguous()
+                        per_row = s.shape[-1] == 1
+                        tensors[name] = value
+                        tensors[name + INT8_SCALE] = (s[:, 0] if per_row else s).contiguous()
                 else:
                     array = gguf.quants.dequantize(t.data, t.tensor_type)
                     array = np.asarray(array, dtype=np.float32)
@@ -197,13 +199,22 @@ def write_tensors(
 
 
 def _int8_rows(t: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A quantized GGUF tensor as int8 rows [..., rows, cols] and their float32 scales
-    [..., rows, 1] (``quantize_rows`` of its dequantized rows), a band of rows at a time:
-    a large matrix is never whole in float32."""
+    """A quantized GGUF tensor as int8 rows [..., rows, cols] and their float32 scales:
+    a Q8_0 tensor's own values and block scales ([..., rows, cols / 32]: nothing is
+    rounded again), any other type's rows quantized (``quantize_rows`` of its dequantized
+    rows, [..., rows, 1]), a band of rows at a time: a large matrix is never whole in
+    float32."""
     import gguf
 
     data = t.data.reshape(-1, t.data.shape[-1])  # one row of blocks per weight row
     cols = int(t.shape[0])  # NOTE: GGUF lists the row length first
+    lead = t.data.shape[:-1]
+    if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+        block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        blocks = data.reshape(data.shape[0], cols // block, size)
+        scale = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+        q = blocks[:, :, 2:].copy().view(np.int8).reshape(data.shape[0], cols)
+        return q.reshape(*lead, cols), scale.reshape(*lead, cols // block)
     q = np.empty((data.shape[0], cols), dtype=np.int8)
     scale = np.empty((data.shape[0], 1), dtype=np.float32)
     band = max(1, BAND_FLOATS // cols)
@@ -211,7 +222,6 @@ def _int8_rows(t: Any) -> tuple[np.ndarray, np.ndarray]:
         rows = gguf.quants.dequantize(data[r0 : r0 + band], t.tensor_type)
         qs, ss = quantize_rows(torch.from_numpy(np.asarray(rows, dtype=np.float32)))
         q[r0 : r0 + band], scale[r0 : r0 + band, 0] = qs.numpy(), ss.numpy()
-    lead = t.data.shape[:-1]
     return q.reshape(*lead, cols), scale.reshape(*lead, 1)
 
 

@@ -29,6 +29,10 @@ INT8_SCALE = "_scale"
 writes) comes with its float32 scales [out] as the tensor ``W + INT8_SCALE``: row ``i`` is
 ``W[i] * scale[i]``."""
 
+GROUPED_TYPES = {"Q8_0": 32}
+"""GGUF types whose blocks are int8 values with one scale each, by their block size: kept as
+they are (int8 with a scale per group), where other types are quantized per row."""
+
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
@@ -45,6 +49,17 @@ def stored_types(folder: Path) -> dict[str, str]:
     if not isinstance(types, dict) or not all(isinstance(v, str) for v in types.values()):
         raise ModelLoadError("tensor types must map names to type names", path=str(path))
     return types
+
+
+def scale_groups(sources: list[str], types: Mapping[str, str], in_features: int) -> int:
+    """The scale groups per row of an int8 module made of ``sources``: a Q8_0 file's blocks
+    (``in_features / 32``) when every source is stored so, else 1 (a scale per row)."""
+    blocks = {GROUPED_TYPES.get(types.get(source, "F32")) for source in sources}
+    if len(blocks) != 1 or None in blocks:
+        return 1
+    block = blocks.pop()
+    assert block is not None
+    return in_features // block if in_features % block == 0 else 1
 
 
 def int8_modules(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,12 @@ import torch
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.attention.metadata import AttentionBackend
 from inlinelm.gpu.loading.model_files import weight_files
-from inlinelm.gpu.loading.quantization import INT8_SCALE, int8_modules, stored_types
+from inlinelm.gpu.loading.quantization import INT8_SCALE, int8_modules, scale_groups, stored_types
 from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.cpu_extension import cpu_extension
 from inlinelm.gpu.model.kernels import Kernels
 from inlinelm.gpu.model.layers.embedding import Embedding
-from inlinelm.gpu.model.layers.int8 import quantize_rows
+from inlinelm.gpu.model.layers.int8 import dequantize, quantize_groups
 from inlinelm.gpu.model.layers.linear import Linear, onednn_packing_available
 from inlinelm.gpu.model.layers.moe import SparseMoE
 from inlinelm.gpu.model.models.decoder import DecoderModel
@@ -85,7 +86,9 @@ def load_model(
     if cfg.tie_word_embeddings and not model.lm_head.is_int8:
         model.lm_head.weight_t.data.copy_(model.embed_tokens.weight.data.t())
     linears = sum(isinstance(m, Linear) for m in model.modules())
-    logger.info("int8 weights in %d of %d linear layers", len(int8 - {"embed_tokens"}), linears)
+    logger.info(
+        "int8 weights in %d of %d linear layers", len(set(int8) - {"embed_tokens"}), linears
+    )
     if onednn_packing_available(device, dtype):
         _pack_for_onednn(model)
     logger.info("loaded %s weights in %.2f s", folder.name, time.perf_counter() - start)
@@ -95,18 +98,24 @@ def load_model(
     return model.eval()
 
 
-def int8_plan(model: DecoderModel, cfg: ModelConfig, folder: Path, mode: str) -> frozenset[str]:
-    """The modules of ``model`` (linear layers, and ``"embed_tokens"``) that keep int8
-    weights under ``mode`` (:func:`~inlinelm.gpu.loading.quantization.int8_modules`); none
-    where the CPU kernel did not build. A tied LM head is made of the embedding: the two
-    are int8 together, and share one copy."""
+Int8Plan = Mapping[str, int]
+"""The modules that keep int8 weights (linear layers, and ``"embed_tokens"``) and the scale
+groups per row of each (1: a scale per row; a Q8_0 file's modules: one per 32-weight
+block)."""
+
+
+def int8_plan(model: DecoderModel, cfg: ModelConfig, folder: Path, mode: str) -> Int8Plan:
+    """The :data:`Int8Plan` of ``model`` under ``mode``
+    (:func:`~inlinelm.gpu.loading.quantization.int8_modules`,
+    :func:`~inlinelm.gpu.loading.quantization.scale_groups`); empty where the CPU kernel did
+    not build. A tied LM head is made of the embedding: the two are int8 together, and
+    share one copy."""
     if mode == "none":
-        return frozenset()
+        return {}
     if cpu_extension() is None:
         logger.warning("int8 weights need the CPU extension, which did not build: float")
-        return frozenset()
-    modules = [name for name, m in model.named_modules() if isinstance(m, Linear)]
-    modules.append("embed_tokens")
+        return {}
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     sources: dict[str, list[str]] = {}
     types = stored_types(folder)
     for name in types:
@@ -115,17 +124,21 @@ def int8_plan(model: DecoderModel, cfg: ModelConfig, folder: Path, mode: str) ->
             sources.setdefault(target.param.removesuffix(".weight"), []).append(name)
     if cfg.tie_word_embeddings:
         sources["lm_head"] = sources.get("embed_tokens", [])
-    chosen = set(int8_modules(mode, modules, sources, types))
+    chosen = set(int8_modules(mode, [*modules, "embed_tokens"], sources, types))
     if cfg.tie_word_embeddings and ("lm_head" in chosen) != ("embed_tokens" in chosen):
         chosen |= {"lm_head", "embed_tokens"}
-    return frozenset(chosen)
+    widths = {name: m.weight_t.shape[0] for name, m in modules.items()}
+    widths["embed_tokens"] = cfg.hidden_size
+    return {
+        name: scale_groups(sources.get(name, []), types, widths[name]) for name in sorted(chosen)
+    }
 
 
-def _allocate_int8(model: DecoderModel, int8: frozenset[str], device: torch.device) -> None:
+def _allocate_int8(model: DecoderModel, int8: Int8Plan, device: torch.device) -> None:
     """Give the modules of ``int8`` their (unfilled) int8 weights and scales on ``device``,
     before the float parameters are allocated (theirs then take no memory)."""
     modules = dict(model.named_modules())
-    for name in int8:
+    for name, groups in int8.items():
         if name == "lm_head" and model.config.tie_word_embeddings:
             continue
         module = modules[name]
@@ -133,7 +146,8 @@ def _allocate_int8(model: DecoderModel, int8: frozenset[str], device: torch.devi
             module.weight.shape if isinstance(module, Embedding) else module.weight_t.T.shape
         )
         q = torch.empty(rows, cols, dtype=torch.int8, device=device)
-        module.use_int8(q, torch.empty(rows, dtype=torch.float32, device=device))
+        shape = (rows,) if groups == 1 else (rows, groups)
+        module.use_int8(q, torch.empty(shape, dtype=torch.float32, device=device))
     embedding = model.embed_tokens.int8
     if "lm_head" in int8 and model.config.tie_word_embeddings:
         assert embedding is not None, "a tied head is int8 with its embedding"
@@ -158,15 +172,20 @@ class _Int8Rows:
 
 def _fill(dest: torch.Tensor | _Int8Rows, tensor: torch.Tensor, scale: torch.Tensor | None) -> None:
     """Copy a checkpoint tensor (float, or int8 rows with their ``scale``) into ``dest``:
-    quantized for an int8 destination, dequantized for a float one."""
-    if isinstance(dest, _Int8Rows):
-        q, scale = (tensor, scale) if scale is not None else quantize_rows(tensor)
-        dest.q.copy_(q)
-        dest.scale.copy_(scale)
-    elif scale is not None:
-        dest.copy_(tensor.float() * scale[:, None])
-    else:
-        dest.copy_(tensor)
+    quantized for an int8 destination (with its scale groups), dequantized for a float
+    one."""
+    if not isinstance(dest, _Int8Rows):
+        dest.copy_(tensor if scale is None else dequantize(tensor, scale))
+        return
+    groups = 1 if dest.scale.dim() == 1 else dest.scale.shape[1]
+    if scale is None or (scale.dim() == 2 and scale.shape[1] != groups):
+        source = tensor if scale is None else dequantize(tensor, scale)
+        tensor, scale = quantize_groups(source, groups)
+    dest.q.copy_(tensor)
+    # NOTE: a scale per row fills a module of groups as that scale in each of its groups
+    dest.scale.copy_(
+        scale if scale.dim() == dest.scale.dim() else scale[:, None].expand_as(dest.scale)
+    )
 
 
 def _pack_for_onednn(model: DecoderModel) -> None:
@@ -293,10 +312,16 @@ def _int8_scale(
             field=name,
         )
     header = f.get_slice(scale_name)
-    if header.get_dtype() != "F32" or tuple(header.get_shape()) != shape[:1]:
+    scale_shape = tuple(header.get_shape())
+    grouped = len(scale_shape) == 2 and scale_shape[1] >= 1 and shape[1] % scale_shape[1] == 0
+    if (
+        header.get_dtype() != "F32"
+        or scale_shape[:1] != shape[:1]
+        or not (len(scale_shape) == 1 or grouped)
+    ):
         raise ModelLoadError(
-            f"int8 scales must be F32 of shape {shape[:1]}, file has {header.get_dtype()} "
-            f"{tuple(header.get_shape())}",
+            f"int8 scales must be F32 of shape {shape[:1]} or {shape[:1]} + (groups,), file has "
+            f"{header.get_dtype()} {scale_shape}",
             path=str(path),
             field=scale_name,
         )

@@ -27,7 +27,8 @@ class Embedding(nn.Module):
         return self._int8
 
     def use_int8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
-        """Look rows up in ``q`` [vocab, hidden] (int8) times ``scale`` [vocab]; the float
+        """Look rows up in ``q`` [vocab, hidden] (int8) times ``scale`` ([vocab], or
+        [vocab, groups] for a scale per group of a row's values); the float
         weight is dropped (its dtype stays the model's, the lookups' dtype)."""
         assert tuple(q.shape) == tuple(self.weight.shape) and q.dtype == torch.int8
         self._int8 = (q, scale)
@@ -37,5 +38,7 @@ class Embedding(nn.Module):
         if self._int8 is None:
             return F.embedding(ids, self.weight)
         q, scale = self._int8
-        rows = q[ids].to(torch.float32) * scale[ids].unsqueeze(-1)
+        picked = q[ids].to(torch.float32)
+        groups = scale[ids].reshape(*ids.shape, -1, 1)  # a scale per row, or per group
+        rows = (picked.reshape(*ids.shape, groups.shape[-2], -1) * groups).reshape(picked.shape)
         return rows.to(self.weight.dtype)

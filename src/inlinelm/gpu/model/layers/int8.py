@@ -1,4 +1,5 @@
-"""Int8 weights for a CPU's linear layers: one float scale per output channel, float inputs.
+"""Int8 weights for a CPU's linear layers: one float scale per output channel (or per group
+of 32 weights of a row: a Q8_0 file's own blocks, kept as they are), float inputs.
 
 Weight-only, on purpose. On the default model, teacher-forced on 32 prompts' float32 greedy
 answers (64 tokens each), the top-1 token of per-channel int8 weights with float
@@ -51,10 +52,29 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_groups(weight: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] as int8 with a float32 scale per group of ``in / groups``
+    consecutive weights of a row ([out, groups]; ``groups`` 1: :func:`quantize_rows`). Of
+    a Q8_0 file's dequantized weights, with groups of its 32-weight blocks, these are the
+    file's own values and scales."""
+    if groups == 1:
+        return quantize_rows(weight)
+    rows, cols = weight.shape
+    q, scale = quantize_rows(weight.reshape(rows * groups, cols // groups))
+    return q.reshape(rows, cols), scale.reshape(rows, groups)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q`` [out, in] times its scales ([out], or [out, groups]), in float32."""
+    groups = scale.reshape(q.shape[0], -1)
+    weight = q.float().reshape(q.shape[0], groups.shape[1], -1) * groups[:, :, None]
+    return weight.reshape(q.shape)
+
+
 def int8_matmul(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x @ (q * scale[:, None]).T + bias`` for ``x`` [..., in] of any float dtype."""
+    """``x @ dequantize(q, scale).T + bias`` for ``x`` [..., in] of any float dtype."""
     kernel = cpu_extension()
     assert kernel is not None, "quantize only where the kernel built"
     if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():  # a decoder's rows

@@ -50,7 +50,8 @@ class Linear(nn.Module):
         return True
 
     def use_int8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
-        """Compute with int8 weights ``q`` [out, in] and their float32 ``scale`` [out] (a
+        """Compute with int8 weights ``q`` [out, in] and their float32 ``scale`` ([out], or
+        [out, groups] for a scale per group of a row's weights) (a
         loader fills them in place, row by row, or shares another module's: the tied LM
         head reads the embedding's); the float weight is dropped. Only where
         ``cpu_extension()`` built."""

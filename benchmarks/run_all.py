@@ -34,9 +34,18 @@ BENCHMARKS: list[tuple[str, str, list[str], int]] = [
     ("int8_cpu", "int8_cpu.py", [], 300),
     ("cpu_step", "cpu_step.py", [], 300),
     ("vs_llama_cpp", "vs_llama_cpp.py", [], 300),
+    ("quality_vs_llama_cpp", "quality_vs_llama_cpp.py", [], 900),
+    ("vs_llama_server", "vs_llama_server.py", [], 600),
+    ("int8_memory", "int8_memory.py", ["--skip-7b"], 300),
 ]
-NEEDS = {"vs_llama_cpp": "llama_cpp"}
+NEEDS = {
+    "vs_llama_cpp": "llama_cpp",
+    "quality_vs_llama_cpp": "llama_cpp",
+}
 """A benchmark's module that inlinelm does not install (skipped without it)."""
+SERVER_ENV = "LLAMA_SERVER"
+"""vs_llama_server.py's llama-server binary (skipped without it; benchmarks/README.md says
+how to build one)."""
 
 
 def summary(name: str, data: dict) -> str:
@@ -103,6 +112,24 @@ def summary(name: str, data: dict) -> str:
         return "; ".join(
             f"{n}: {ms[n]:.2f} ms/token ({ms[n] / ms['llama.cpp']:.2f}x llama.cpp)" for n in ms
         )
+    if name == "quality_vs_llama_cpp":
+        return "; ".join(
+            f"{t}: ours {r['inlinelm int8 (auto)']:.3f}, llama.cpp {r['llama.cpp']:.3f}"
+            for t, r in data["types"].items()
+        )
+    if name == "vs_llama_server":
+        m = data["medians"]
+        return "; ".join(
+            f"{n}: {r['output_tokens_per_s']:.0f} tok/s, TTFT p50 {r['ttft_ms_p50']:.0f} ms"
+            for n, r in m.items()
+        )
+    if name == "int8_memory":
+        rows = data["shaped"]
+        return "; ".join(
+            f"{n}: resident {r['second']['anon_growth'] / r['second']['tensor_bytes']:.3f}x "
+            "its int8 weights"
+            for n, r in rows.items()
+        )
     if name == "cpu_step":
         return "; ".join(
             f"{r['weights']} B={r['batch']}: fused kernels {r['step_speedup']:.2f}x torch's ops "
@@ -128,6 +155,11 @@ def main() -> None:
         if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
             done[name] = f"skipped: {NEEDS[name]} is not installed (see {script})"
             continue
+        if name == "vs_llama_server":
+            if not os.environ.get(SERVER_ENV):
+                done[name] = f"skipped: ${SERVER_ENV} names no llama-server binary (see {script})"
+                continue
+            extra = [*extra, "--server", os.environ[SERVER_ENV]]
         if left < 30:
             done[name] = f"skipped: {left:.0f} s of the budget left"
             continue

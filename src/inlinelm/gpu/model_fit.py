@@ -11,7 +11,7 @@ import torch
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.kv_cache import KVCacheSpec
-from inlinelm.gpu.loading.weights import Int8Plan
+from inlinelm.gpu.loading.int8_weights import Int8Plan
 from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.registry import read_model_config
 from inlinelm.gpu.model_memory import check_model_memory

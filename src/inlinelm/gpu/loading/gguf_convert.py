@@ -47,7 +47,7 @@ MODEL_CARD_SAMPLING: Mapping[tuple[str, str, str, str], Mapping[str, Any]] = {
 ``size_label`` and ``finetune``: one rule, whatever path or name the file is given by."""
 
 
-def convert_gguf(path: Path, out: Path, *, int8: bool = False) -> None:
+def convert_gguf(path: Path, out: Path, *, int8: bool = False) -> dict[str, str]:
     """Write config.json, the weights and the tokenizer files of ``path`` into ``out``,
     and generation_config.json when the file recommends sampling values. The weights are
     float32, or with ``int8`` the file's quantized matrices as int8 rows and their scales
@@ -56,7 +56,8 @@ def convert_gguf(path: Path, out: Path, *, int8: bool = False) -> None:
     Everything the header tells is checked before a tensor is dequantized: the
     architecture and the metadata keys the config is built from, every tensor's name,
     shape and type, and the memory and disk the conversion needs. Raises
-    ``ModelLoadError`` naming the file and the key or tensor at fault.
+    ``ModelLoadError`` naming the file and the key or tensor at fault. Returns the weight
+    map of the shards (each tensor's file), for the index the caller writes.
     """
     # NOTE: reading the header (gguf's reader) and transformers' config from it take
     # seconds each for a large vocabulary: a one-step bar says what runs (as for the
@@ -69,12 +70,13 @@ def convert_gguf(path: Path, out: Path, *, int8: bool = False) -> None:
     names = TensorNames(header.family)
     check_tensors(reader, path, header, names)
     check_room(reader, path, out, int8=int8)
-    types = write_tensors(reader, path, header, names, out, int8=int8)
+    types, weight_map = write_tensors(reader, path, header, names, out, int8=int8)
     (out / GGUF_TYPES_FILE).write_text(json.dumps(types, indent=1, sort_keys=True))
     _convert_tokenizer(path, out)
     generation = _sampling_fields(reader) or dict(MODEL_CARD_SAMPLING.get(_identity(reader), {}))
     if generation:
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return weight_map
 
 
 def write_config(path: Path, out: Path, header: GgufHeader) -> ModelConfig:

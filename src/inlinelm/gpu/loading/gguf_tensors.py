@@ -10,7 +10,6 @@ kept), each stacked expert tensor split into one tensor per expert.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from collections.abc import Iterator
@@ -23,7 +22,6 @@ import torch
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.loading.gguf_header import GgufHeader
 from inlinelm.gpu.loading.gguf_names import GgufTensor, TensorNames, tensor_shape
-from inlinelm.gpu.loading.model_files import WEIGHT_INDEX
 from inlinelm.gpu.loading.quantization import FLOAT_TYPES, INT8_SCALE
 from inlinelm.gpu.model.layers.int8 import BAND_FLOATS, quantize_rows
 from inlinelm.gpu.model_memory import format_bytes, host_memory_available
@@ -145,11 +143,11 @@ def _can_dequantize(tensor_type: Any) -> bool:
 
 def write_tensors(
     reader: Any, path: Path, header: GgufHeader, names: TensorNames, out: Path, *, int8: bool
-) -> dict[str, str]:
+) -> tuple[dict[str, str], dict[str, str]]:
     """Write every weight of the file into ``out`` as the tensors transformers saves, one
-    safetensors shard per layer (and one for the model's own tensors) with their index, so
-    one layer is in memory at a time; return the GGUF type each came from (``"Q4_K"``,
-    ``"F32"``, ...) by the same names.
+    safetensors shard per layer (and one for the model's own tensors), so one layer is in
+    memory at a time; return the GGUF type each came from (``"Q4_K"``, ``"F32"``, ...) and
+    the shard each is in (the index's weight map), by the same names.
 
     Float32, or with ``int8``, each matrix the file holds quantized as int8 rows with one
     float32 scale each (:data:`~inlinelm.gpu.loading.quantization.INT8_SCALE`), as the
@@ -193,9 +191,7 @@ def write_tensors(
             save_file(tensors, str(out / shard), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, shard))
             logger.info("converted %d/%d layers of %s", i + 1, len(order), path.name)
-    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / WEIGHT_INDEX).write_text(json.dumps(index, indent=1))
-    return types
+    return types, dict(sorted(weight_map.items()))
 
 
 def _int8_rows(t: Any) -> tuple[np.ndarray, np.ndarray]:

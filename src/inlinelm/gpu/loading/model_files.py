@@ -346,5 +346,7 @@ def _convert_gguf(path: Path, out: Path, *, int8: bool) -> None:
     size_mib = path.stat().st_size / 2**20
     kind = "int8" if int8 else "float32"
     logger.info("converting %s (%.1f MiB) to %s in %s, once", path.name, size_mib, kind, out.parent)
-    convert_gguf(path, out, int8=int8)
+    weight_map = convert_gguf(path, out, int8=int8)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / WEIGHT_INDEX).write_text(json.dumps(index, indent=1))
     logger.info("converted %s in %.1f s", path.name, time.perf_counter() - start)

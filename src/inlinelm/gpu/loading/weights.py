@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,13 +19,19 @@ import torch
 
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.attention.metadata import AttentionBackend
+from inlinelm.gpu.loading.int8_weights import (
+    Int8Plan,
+    Int8Rows,
+    allocate,
+    choose,
+    fill,
+    int8_of,
+    read_scale,
+)
 from inlinelm.gpu.loading.model_files import weight_files
-from inlinelm.gpu.loading.quantization import INT8_SCALE, int8_modules, scale_groups, stored_types
+from inlinelm.gpu.loading.quantization import INT8_SCALE, stored_types
 from inlinelm.gpu.model.config import ModelConfig
-from inlinelm.gpu.model.cpu_extension import cpu_extension
 from inlinelm.gpu.model.kernels import Kernels
-from inlinelm.gpu.model.layers.embedding import Embedding
-from inlinelm.gpu.model.layers.int8 import dequantize, quantize_groups
 from inlinelm.gpu.model.layers.linear import Linear, onednn_packing_available
 from inlinelm.gpu.model.layers.moe import SparseMoE
 from inlinelm.gpu.model.models.decoder import DecoderModel
@@ -77,7 +82,7 @@ def load_model(
         model = build_model(cfg, backend, 1, kernels)
     model = model.to(dtype=dtype)
     int8 = int8_plan(model, cfg, folder, quantization)
-    _allocate_int8(model, int8, device)
+    allocate(model, int8, device)
     model = model.to_empty(device=device)
     model.set_max_positions(max_positions)
     params = _destinations(model)
@@ -98,94 +103,19 @@ def load_model(
     return model.eval()
 
 
-Int8Plan = Mapping[str, int]
-"""The modules that keep int8 weights (linear layers, and ``"embed_tokens"``) and the scale
-groups per row of each (1: a scale per row; a Q8_0 file's modules: one per 32-weight
-block)."""
-
-
 def int8_plan(model: DecoderModel, cfg: ModelConfig, folder: Path, mode: str) -> Int8Plan:
-    """The :data:`Int8Plan` of ``model`` under ``mode``
-    (:func:`~inlinelm.gpu.loading.quantization.int8_modules`,
-    :func:`~inlinelm.gpu.loading.quantization.scale_groups`); empty where the CPU kernel did
-    not build. A tied LM head is made of the embedding: the two are int8 together, and
-    share one copy."""
+    """The :data:`~.int8_weights.Int8Plan` of ``model`` under ``mode`` for the checkpoint
+    in ``folder`` (:func:`~.int8_weights.choose`, from the GGUF types its tensors were
+    stored in)."""
     if mode == "none":
         return {}
-    if cpu_extension() is None:
-        logger.warning("int8 weights need the CPU extension, which did not build: float")
-        return {}
-    modules = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
-    sources: dict[str, list[str]] = {}
     types = stored_types(folder)
+    sources: dict[str, list[str]] = {}
     for name in types:
         target = _target(name, cfg)
         if target is not None and target.param.endswith(".weight"):
             sources.setdefault(target.param.removesuffix(".weight"), []).append(name)
-    if cfg.tie_word_embeddings:
-        sources["lm_head"] = sources.get("embed_tokens", [])
-    chosen = set(int8_modules(mode, [*modules, "embed_tokens"], sources, types))
-    if cfg.tie_word_embeddings and ("lm_head" in chosen) != ("embed_tokens" in chosen):
-        chosen |= {"lm_head", "embed_tokens"}
-    widths = {name: m.weight_t.shape[0] for name, m in modules.items()}
-    widths["embed_tokens"] = cfg.hidden_size
-    return {
-        name: scale_groups(sources.get(name, []), types, widths[name]) for name in sorted(chosen)
-    }
-
-
-def _allocate_int8(model: DecoderModel, int8: Int8Plan, device: torch.device) -> None:
-    """Give the modules of ``int8`` their (unfilled) int8 weights and scales on ``device``,
-    before the float parameters are allocated (theirs then take no memory)."""
-    modules = dict(model.named_modules())
-    for name, groups in int8.items():
-        if name == "lm_head" and model.config.tie_word_embeddings:
-            continue
-        module = modules[name]
-        rows, cols = (
-            module.weight.shape if isinstance(module, Embedding) else module.weight_t.T.shape
-        )
-        q = torch.empty(rows, cols, dtype=torch.int8, device=device)
-        shape = (rows,) if groups == 1 else (rows, groups)
-        module.use_int8(q, torch.empty(shape, dtype=torch.float32, device=device))
-    embedding = model.embed_tokens.int8
-    if "lm_head" in int8 and model.config.tie_word_embeddings:
-        assert embedding is not None, "a tied head is int8 with its embedding"
-        model.lm_head.use_int8(*embedding)
-
-
-@dataclass(frozen=True, slots=True)
-class _Int8Rows:
-    """The int8 weights of a module (or the rows a fused one takes from a checkpoint
-    tensor) and their scales: a loading destination, filled by :func:`_fill`."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
-    def __getitem__(self, rows: slice) -> _Int8Rows:
-        return _Int8Rows(self.q[rows], self.scale[rows])
-
-
-def _fill(dest: torch.Tensor | _Int8Rows, tensor: torch.Tensor, scale: torch.Tensor | None) -> None:
-    """Copy a checkpoint tensor (float, or int8 rows with their ``scale``) into ``dest``:
-    quantized for an int8 destination (with its scale groups), dequantized for a float
-    one."""
-    if not isinstance(dest, _Int8Rows):
-        dest.copy_(tensor if scale is None else dequantize(tensor, scale))
-        return
-    groups = 1 if dest.scale.dim() == 1 else dest.scale.shape[1]
-    if scale is None or (scale.dim() == 2 and scale.shape[1] != groups):
-        source = tensor if scale is None else dequantize(tensor, scale)
-        tensor, scale = quantize_groups(source, groups)
-    dest.q.copy_(tensor)
-    # NOTE: a scale per row fills a module of groups as that scale in each of its groups
-    dest.scale.copy_(
-        scale if scale.dim() == dest.scale.dim() else scale[:, None].expand_as(dest.scale)
-    )
+    return choose(model, mode, sources, types)
 
 
 def _pack_for_onednn(model: DecoderModel) -> None:
@@ -196,19 +126,19 @@ def _pack_for_onednn(model: DecoderModel) -> None:
             return
 
 
-def _destinations(model: DecoderModel) -> dict[str, torch.Tensor | _Int8Rows]:
+def _destinations(model: DecoderModel) -> dict[str, torch.Tensor | Int8Rows]:
     """Every loadable tensor under its checkpoint-style name, in the checkpoint's orientation
     (a ``Linear``'s transposed storage is exposed as a ``.weight`` view of shape [out, in],
-    an int8 module's weights as :class:`_Int8Rows`; the experts of a sparse MLP by their
+    an int8 module's weights as :class:`Int8Rows`; the experts of a sparse MLP by their
     per-expert names)."""
-    views: dict[str, torch.Tensor | _Int8Rows] = {}
+    views: dict[str, torch.Tensor | Int8Rows] = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        int8 = _int8_of(module)
+        int8 = int8_of(module)
         if isinstance(module, SparseMoE):
             views.update({f"{prefix}{k}": v for k, v in module.expert_weights().items()})
         elif int8 is not None:
-            views[f"{prefix}weight"] = _Int8Rows(*int8)
+            views[f"{prefix}weight"] = Int8Rows(*int8)
             if isinstance(module, Linear) and module.bias is not None:
                 views[f"{prefix}bias"] = module.bias.data
         elif isinstance(module, Linear):
@@ -221,16 +151,8 @@ def _destinations(model: DecoderModel) -> dict[str, torch.Tensor | _Int8Rows]:
     return views
 
 
-def _int8_of(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if isinstance(module, Linear):
-        return module.int8
-    if isinstance(module, Embedding):
-        return module.int8
-    return None
-
-
 def _load_files(
-    folder: Path, cfg: ModelConfig, params: dict[str, torch.Tensor | _Int8Rows]
+    folder: Path, cfg: ModelConfig, params: dict[str, torch.Tensor | Int8Rows]
 ) -> set[_Target]:
     from safetensors import SafetensorError
 
@@ -262,7 +184,7 @@ def _load_files(
 def _load_file(
     path: Path,
     cfg: ModelConfig,
-    params: dict[str, torch.Tensor | _Int8Rows],
+    params: dict[str, torch.Tensor | Int8Rows],
     loaded: set[_Target],
     bar: Any,
 ) -> int:
@@ -287,9 +209,9 @@ def _load_file(
             _check_header(header.get_dtype(), shape, dest, path, name, name + INT8_SCALE in names)
             scale = None
             if header.get_dtype() == "I8":
-                scale = _int8_scale(f, names, name, shape, path)
+                scale = read_scale(f, names, name, shape, path)
             tensor = f.get_tensor(name)
-            _fill(dest, tensor, scale)
+            fill(dest, tensor, scale)
             loaded.add(target)
             size = tensor.numel() * tensor.element_size() + (
                 0 if scale is None else scale.numel() * 4
@@ -297,36 +219,6 @@ def _load_file(
             bar.update(size)
             num_bytes += size
     return num_bytes
-
-
-def _int8_scale(
-    f: Any, names: set[str], name: str, shape: tuple[int, ...], path: Path
-) -> torch.Tensor:
-    """The float32 scales [rows] of the int8 tensor ``name`` (``ModelLoadError`` when they
-    are missing or misshapen: an int8 tensor is ours only with them)."""
-    scale_name = name + INT8_SCALE
-    if len(shape) != 2 or scale_name not in names:
-        raise ModelLoadError(
-            f"an int8 tensor needs a 2-D shape and its float32 scales {scale_name}",
-            path=str(path),
-            field=name,
-        )
-    header = f.get_slice(scale_name)
-    scale_shape = tuple(header.get_shape())
-    grouped = len(scale_shape) == 2 and scale_shape[1] >= 1 and shape[1] % scale_shape[1] == 0
-    if (
-        header.get_dtype() != "F32"
-        or scale_shape[:1] != shape[:1]
-        or not (len(scale_shape) == 1 or grouped)
-    ):
-        raise ModelLoadError(
-            f"int8 scales must be F32 of shape {shape[:1]} or {shape[:1]} + (groups,), file has "
-            f"{header.get_dtype()} {scale_shape}",
-            path=str(path),
-            field=scale_name,
-        )
-    scale: torch.Tensor = f.get_tensor(scale_name)
-    return scale
 
 
 def _target(name: str, cfg: ModelConfig) -> _Target | None:
@@ -377,11 +269,11 @@ def _rows(target: _Target, cfg: ModelConfig) -> tuple[int, int] | None:
 
 def _destination(
     target: _Target,
-    params: dict[str, torch.Tensor | _Int8Rows],
+    params: dict[str, torch.Tensor | Int8Rows],
     cfg: ModelConfig,
     path: Path,
     name: str,
-) -> torch.Tensor | _Int8Rows:
+) -> torch.Tensor | Int8Rows:
     """The parameter (or the rows of a fused one) a checkpoint tensor is copied into."""
     if target.param not in params:
         raise ModelLoadError(
@@ -395,7 +287,7 @@ def _destination(
 def _check_header(
     dtype: str,
     shape: tuple[int, ...],
-    dest: torch.Tensor | _Int8Rows,
+    dest: torch.Tensor | Int8Rows,
     path: Path,
     name: str,
     has_scale: bool,
@@ -420,7 +312,7 @@ def _check_header(
 def _check_complete(
     folder: Path,
     cfg: ModelConfig,
-    params: dict[str, torch.Tensor | _Int8Rows],
+    params: dict[str, torch.Tensor | Int8Rows],
     loaded: set[_Target],
 ) -> None:
     # NOTE: a fused parameter is complete from its shards or from one fused tensor.

@@ -472,7 +472,11 @@ def _without_tokens(value: Any) -> Any:
 
 def print_table(report: dict[str, Any]) -> None:
     n, r = report["new_tokens"], report["requests"]
-    print(f"\n(a) one request, {n} new tokens, fp32, load average {report['load_average']}")
+    weights = "int8" if report.get("quantization") == "auto" else "fp32"
+    print(
+        f"\n(a) one request, {n} new tokens, inlinelm {weights} (transformers fp32), "
+        f"load average {report['load_average']}"
+    )
     print(f"{'system':<32} {'TTFT ms':>9} {'ms/token':>9}  runs (ms/token)")
     rows = [("inlinelm", report["inlinelm"]["single"])]
     if "transformers_generate" in report:

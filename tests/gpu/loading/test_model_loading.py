@@ -135,6 +135,36 @@ def test_non_float_weights_are_refused(tiny_copy: Path) -> None:
         load_ours(tiny_copy)
 
 
+@pytest.mark.parametrize(
+    ("scale_shape", "dtype"),
+    [
+        ((None, 3), torch.float32),
+        ((None, 0), torch.float32),
+        ("groups of 8", torch.float32),
+        ((None,), torch.float16),
+        ((5,), torch.float32),
+    ],
+    ids=["groups-not-dividing", "no-groups", "groups-of-8", "float16", "wrong-rows"],
+)
+def test_int8_weights_need_float32_scales_of_their_rows_or_groups(
+    tiny_copy: Path, scale_shape: Any, dtype: torch.dtype
+) -> None:
+    name = "model.layers.0.mlp.down_proj.weight"
+    path = next(tiny_copy.glob("*.safetensors"))
+    tensors = load_file(str(path))
+    rows, cols = tensors[name].shape
+    shape = (
+        (rows, cols // 8)
+        if scale_shape == "groups of 8"
+        else tuple(rows if d is None else d for d in scale_shape)
+    )
+    tensors[name] = torch.ones(rows, cols, dtype=torch.int8)
+    tensors[name + "_scale"] = torch.ones(shape, dtype=dtype)
+    save_file(tensors, str(path))
+    with pytest.raises(ModelLoadError, match=rf"int8 scales must be F32.*field: {name}_scale"):
+        load_ours(tiny_copy)
+
+
 def test_missing_tensor_is_named(tiny_copy: Path) -> None:
     path = next(tiny_copy.glob("*.safetensors"))
     tensors = load_file(str(path))

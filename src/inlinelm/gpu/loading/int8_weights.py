@@ -22,6 +22,9 @@ from inlinelm.gpu.model.models.decoder import DecoderModel
 
 logger = logging.getLogger(__name__)
 
+GROUP_MULTIPLE = 16
+"""A scale group's size must be a multiple of this (the int8 kernel's widest vector)."""
+
 Int8Plan = Mapping[str, int]
 """The modules that keep int8 weights (linear layers, and ``"embed_tokens"``) and the scale
 groups per row of each (1: a scale per row; a Q8_0 file's modules: one per 32-weight
@@ -122,8 +125,9 @@ def int8_of(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None
 def read_scale(
     f: Any, names: set[str], name: str, shape: tuple[int, ...], path: Path
 ) -> torch.Tensor:
-    """The float32 scales [rows] of the int8 tensor ``name`` (``ModelLoadError`` when they
-    are missing or misshapen: an int8 tensor is ours only with them)."""
+    """The float32 scales ([rows], or [rows, groups]) of the int8 tensor ``name``
+    (``ModelLoadError`` when they are missing or misshapen: an int8 tensor is ours only
+    with them)."""
     scale_name = name + INT8_SCALE
     if len(shape) != 2 or scale_name not in names:
         raise ModelLoadError(
@@ -133,15 +137,22 @@ def read_scale(
         )
     header = f.get_slice(scale_name)
     scale_shape = tuple(header.get_shape())
-    grouped = len(scale_shape) == 2 and scale_shape[1] >= 1 and shape[1] % scale_shape[1] == 0
+    # NOTE: groups of a multiple of 16 weights (the kernel's vector), as a Q8_0 file's 32
+    grouped = (
+        len(scale_shape) == 2
+        and scale_shape[1] >= 1
+        and shape[1] % scale_shape[1] == 0
+        and (shape[1] // scale_shape[1]) % GROUP_MULTIPLE == 0
+    )
     if (
         header.get_dtype() != "F32"
         or scale_shape[:1] != shape[:1]
         or not (len(scale_shape) == 1 or grouped)
     ):
         raise ModelLoadError(
-            f"int8 scales must be F32 of shape {shape[:1]} or {shape[:1]} + (groups,), file has "
-            f"{header.get_dtype()} {scale_shape}",
+            f"int8 scales must be F32 of shape {shape[:1]}, or {shape[:1]} + (groups,) with "
+            f"groups of a multiple of {GROUP_MULTIPLE} weights; file has {header.get_dtype()} "
+            f"{scale_shape}",
             path=str(path),
             field=scale_name,
         )

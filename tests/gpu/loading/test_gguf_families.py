@@ -273,6 +273,20 @@ def test_the_conversion_records_each_tensors_stored_type(models: Models, qtype: 
     assert int8 and all(int8) == (qtype == "Q8_0") and any(int8) == (qtype == "Q8_0")
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_int8_conversion_keeps_experts_float(models: Models, family: str) -> None:
+    # A sparse MLP computes in float: its experts keep the file's values, where the
+    # attention's matrices are the file's int8 blocks.
+    path = str(models.gguf(family, "Q8_0"))
+    kept = folder_tensors(resolve_model(path, int8=True).folder)
+    floats = folder_tensors(models.converted(family, "Q8_0"))
+    experts = [name for name in kept if ".experts." in name and name.endswith(".weight")]
+    assert experts
+    for name in experts:
+        assert kept[name].dtype == torch.float32 and torch.equal(kept[name], floats[name]), name
+    assert kept["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+
+
 def test_yarn_rope_converts(tmp_path: Path, tokenizer_dir: Path, models: Models) -> None:
     # rope.scaling.type yarn, with its factor, original context and betas
     rope = {

@@ -22,7 +22,7 @@ import torch
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.loading.gguf_header import GgufHeader
 from inlinelm.gpu.loading.gguf_names import GgufTensor, TensorNames, tensor_shape
-from inlinelm.gpu.loading.quantization import FLOAT_TYPES, INT8_SCALE
+from inlinelm.gpu.loading.quantization import FLOAT_TYPES, GROUPED_TYPES, INT8_SCALE
 from inlinelm.gpu.model.layers.int8 import BAND_FLOATS, quantize_rows
 from inlinelm.gpu.model_memory import format_bytes, host_memory_available
 from inlinelm.progress import progress_bar
@@ -104,7 +104,11 @@ def check_room(reader: Any, path: Path, out: Path, *, int8: bool) -> None:
         groups[bid] = groups.get(bid, 0) + size
         largest = max(largest, size)
         kept_int8 = int8 and t.tensor_type.name not in FLOAT_TYPES and len(t.shape) == 2
-        total += (size // _FLOAT32 + _FLOAT32 * int(t.shape[-1])) if kept_int8 else size
+        if kept_int8:  # a byte a weight, a float32 scale a row (a Q8_0 file's: a block)
+            cols, rows = int(t.shape[0]), int(t.shape[1])
+            block = GROUPED_TYPES.get(t.tensor_type.name)
+            size = rows * cols + _FLOAT32 * rows * (cols // block if block else 1)
+        total += size
     need = max(groups.values(), default=0) + 2 * largest
     available = host_memory_available()
     if available is not None and need > available:
@@ -149,10 +153,11 @@ def write_tensors(
     memory at a time; return the GGUF type each came from (``"Q4_K"``, ``"F32"``, ...) and
     the shard each is in (the index's weight map), by the same names.
 
-    Float32, or with ``int8``, each matrix the file holds quantized as int8 rows with one
-    float32 scale each (:data:`~inlinelm.gpu.loading.quantization.INT8_SCALE`), as the
-    engine computes with it: a quarter of the disk and of the next start's reading, and
-    nothing left to quantize then.
+    Float32, or with ``int8``, each matrix the file holds quantized (but a sparse MLP's
+    stacked experts, which compute in float) as int8 rows with their float32 scales
+    (:data:`~inlinelm.gpu.loading.quantization.INT8_SCALE`), as the engine computes with
+    it: a quarter of the disk and of the next start's reading, and nothing left to
+    quantize then.
     """
     import gguf
     from safetensors.torch import save_file
@@ -172,7 +177,10 @@ def write_tensors(
             for t in groups[bid]:
                 found_bid, tensor = _lookup(names, t.name)
                 types.update(dict.fromkeys(_hf_names(found_bid, tensor, t), t.tensor_type.name))
-                if int8 and t.tensor_type.name not in FLOAT_TYPES and len(t.shape) >= 2:
+                # NOTE: a sparse MLP's experts compute in float (SparseMoE): kept as the
+                # file's exact values, not rounded to int8 and back
+                kept = int8 and not tensor.stacked and len(t.shape) == 2
+                if kept and t.tensor_type.name not in FLOAT_TYPES:
                     q, scale = _int8_rows(t)
                     for (name, value), (_, s) in zip(
                         _undo(q, found_bid, tensor, header),

@@ -51,13 +51,12 @@ def _tensor_bytes(model: torch.nn.Module) -> int:
 
 
 def probe(model: str, quantization: str) -> dict[str, float]:
-    from inlinelm.gpu.attention.torch_backend import TorchAttention
     from inlinelm.gpu.loading.model_files import resolve_model
-    from inlinelm.gpu.loading.weights import load_model
     from inlinelm.gpu.model.cpu_extension import cpu_extension
     from inlinelm.gpu.model.registry import read_model_config
     from inlinelm.gpu.model_fit import planned_int8
     from inlinelm.gpu.model_memory import return_free_heap, weight_parts
+    from tests.gpu.reference import load_ours
 
     torch.set_num_threads(2)
     int8 = quantization != "none" and cpu_extension() is not None
@@ -66,21 +65,12 @@ def probe(model: str, quantization: str) -> dict[str, float]:
     resolve_s = time.perf_counter() - start
     cfg = read_model_config(folder)
     plan = planned_int8(cfg, folder, quantization, torch.float32)
-    backend = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     return_free_heap()
     before = _status("RssAnon")
     Path("/proc/self/clear_refs").write_text("5")  # NOTE: resets VmHWM to the current RSS
     peak_base = _status("VmRSS")
     start = time.perf_counter()
-    loaded = load_model(
-        folder,
-        cfg,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        backend=backend,
-        max_positions=256,
-        quantization=quantization,
-    )
+    loaded = load_ours(folder, quantization)
     load_s = time.perf_counter() - start
     return_free_heap()
     after = _status("RssAnon")

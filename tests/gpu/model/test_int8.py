@@ -53,6 +53,20 @@ def reference(
     return exact, (x.shape[1] + 2) * U * magnitude + 1e-30
 
 
+def assert_the_dequantized_product(
+    q: torch.Tensor, scale: torch.Tensor, rows: int, with_bias: bool, gen: torch.Generator
+) -> None:
+    """The kernel on ``rows`` random inputs (and a random bias) is the exact product of the
+    dequantized weights within float32's bound."""
+    out, inp = q.shape
+    x = torch.randn(rows, inp, generator=gen) * 3
+    bias = torch.randn(out, generator=gen) if with_bias else None
+    exact, bound = reference(x, q, scale, bias)
+    got = int8_matmul(x, q, scale, bias)
+    assert got.shape == (rows, out) and got.dtype == torch.float32
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
 def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``q`` times its scales in float32: one per row ([N]) or per group ([N, S])."""
     groups = scale.reshape(q.shape[0], -1)
@@ -84,12 +98,7 @@ def test_group_scales_are_the_dequantized_product(
     weight = torch.randn(out, inp, generator=gen)
     weight[:, :group] *= 50  # NOTE: one large group per row: a per-row scale would blur the rest
     q, scale = quantize_groups(weight, inp // group)
-    x = torch.randn(rows, inp, generator=gen) * 3
-    bias = torch.randn(out, generator=gen) if with_bias else None
-    exact, bound = reference(x, q, scale, bias)
-    got = int8_matmul(x, q, scale, bias)
-    assert got.shape == (rows, out) and got.dtype == torch.float32
-    assert ((got.double() - exact).abs() <= bound).all()
+    assert_the_dequantized_product(q, scale, rows, with_bias, gen)
     kernel = cpu_extension()
     assert torch.equal(kernel.dequantize_rows(q, scale, 3, 7), dequantized(q, scale)[3:7])
 
@@ -110,12 +119,7 @@ def test_the_kernel_is_the_dequantized_product(
 ) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out)
     q, scale = quantize_rows(torch.randn(out, inp, generator=gen))
-    x = torch.randn(rows, inp, generator=gen) * 3
-    bias = torch.randn(out, generator=gen) if with_bias else None
-    exact, bound = reference(x, q, scale, bias)
-    got = int8_matmul(x, q, scale, bias)
-    assert got.shape == (rows, out) and got.dtype == torch.float32
-    assert ((got.double() - exact).abs() <= bound).all()
+    assert_the_dequantized_product(q, scale, rows, with_bias, gen)
 
 
 @pytest.mark.parametrize("gemm", ["onednn", "torch"])

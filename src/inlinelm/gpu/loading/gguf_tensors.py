@@ -176,7 +176,6 @@ def write_tensors(
             tensors: dict[str, torch.Tensor] = {}
             for t in groups[bid]:
                 found_bid, tensor = _lookup(names, t.name)
-                types.update(dict.fromkeys(_hf_names(found_bid, tensor, t), t.tensor_type.name))
                 # NOTE: a sparse MLP's experts compute in float (SparseMoE): kept as the
                 # file's exact values, not rounded to int8 and back
                 kept = int8 and not tensor.stacked and len(t.shape) == 2
@@ -188,12 +187,15 @@ def write_tensors(
                         strict=True,
                     ):
                         per_row = s.shape[-1] == 1
+                        types[name] = t.tensor_type.name
                         tensors[name] = value
                         tensors[name + INT8_SCALE] = (s[:, 0] if per_row else s).contiguous()
                 else:
                     array = gguf.quants.dequantize(t.data, t.tensor_type)
                     array = np.asarray(array, dtype=np.float32)
-                    tensors.update(_undo(array, found_bid, tensor, header))
+                    for name, value in _undo(array, found_bid, tensor, header):
+                        types[name] = t.tensor_type.name
+                        tensors[name] = value
                 bar.update(int(t.n_bytes))
             shard = f"model-{i + 1:05d}-of-{len(order):05d}.safetensors"
             save_file(tensors, str(out / shard), metadata={"format": "pt"})
@@ -227,13 +229,6 @@ def _int8_rows(t: Any) -> tuple[np.ndarray, np.ndarray]:
         qs, ss = quantize_rows(torch.from_numpy(np.asarray(rows, dtype=np.float32)))
         q[r0 : r0 + band], scale[r0 : r0 + band, 0] = qs.numpy(), ss.numpy()
     return q.reshape(*lead, cols), scale.reshape(*lead, 1)
-
-
-def _hf_names(bid: int | None, tensor: GgufTensor, t: Any) -> list[str]:
-    """The transformers names one GGUF tensor becomes (one per expert when stacked)."""
-    if not tensor.stacked:
-        return [tensor.hf_name.format(bid=bid)]
-    return [tensor.hf_name.format(bid=bid, xid=xid) for xid in range(int(t.shape[-1]))]
 
 
 def _lookup(names: TensorNames, name: str) -> tuple[int | None, GgufTensor]:

@@ -2,9 +2,10 @@
 (``gpu/model/csrc/cpu_ops.cpp``: RMSNorm, the residual add, RoPE, the gated activation, the
 KV write and paged decode attention) against torch's ops, side by side in one run.
 
-The default model, float32 and int8 weights (``quantization="none"`` and ``"auto"``), each
-loaded twice: once as the engine runs it (the extension's kernels), once with the
-extension's float32 kernels withheld (torch's ops; int8 layers keep their kernel). The real
+The default model, float32 and quantized weights (``quantization="none"`` and ``"auto"``: its
+Q4_1 blocks), each loaded twice: once as the engine runs it (the extension's kernels),
+once with the extension's float32 kernels withheld (torch's ops; quantized layers keep
+their kernel). The real
 scheduler and model runner on the calling thread, greedy, prompts of ~24 tokens, batches
 of 1 and 32, the four runners taking turns for ``--rounds`` rounds. Each decode step is
 timed whole, and its linear layers inside it (a clock around every ``Linear.forward``:
@@ -37,7 +38,7 @@ from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.request import Request
 from inlinelm.sched.scheduler import Scheduler
 
-WEIGHTS = {"none": "float32", "auto": "int8"}
+WEIGHTS = {"none": "float32", "auto": "Q4_1"}
 BATCHES = (1, 32)
 
 

@@ -48,7 +48,7 @@ def measure(runner: ModelRunner, batch: int, new_tokens: int) -> dict[str, float
 
 MODES = [
     ("float32", "none", "float32"),
-    ("int8", "auto", "float32"),
+    ("Q4_1 (auto)", "auto", "float32"),
     ("bfloat16", "none", "bfloat16"),
 ]
 """(label, quantization, dtype) of each runner."""
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
     rows = []
-    # NOTE: float32 weights, the default model's own int8 (quantization="auto") and the
+    # NOTE: float32 weights, the default model's own blocks (quantization="auto") and the
     # model in bfloat16, one runner at a time, in the same run.
     for weights, mode, dtype in MODES:
         config = EngineConfig(

@@ -1,5 +1,6 @@
 """End to end on this CPU: the default model in fp32, inlinelm against transformers
-(``--quantization auto``: inlinelm with int8 weights, its CPU default, against the same).
+(``--quantization auto``: inlinelm with the file's quantized blocks, its CPU default,
+against the same).
 
 (a) one request, 64 new tokens: TTFT and ms per decoded token, inlinelm and transformers
     ``generate`` alternately, three times each (medians).
@@ -93,7 +94,7 @@ async def inlinelm_run(
     quantization: str = "none",
 ) -> dict[str, Any]:
     """(a) ``repeats`` times, alternating with ``reference`` (run off the loop), then (b);
-    the engine's weights float32 (``quantization="none"``) or int8 (``"auto"``)."""
+    the engine's weights float32 (``quantization="none"``) or quantized (``"auto"``)."""
     from inlinelm import Engine
     from inlinelm.sampling_params import SamplingParams
 
@@ -348,7 +349,7 @@ def main() -> None:
         "--quantization",
         default="none",
         choices=("none", "auto"),
-        help='inlinelm\'s weights: "none" float32, as transformers\' (the default), "auto" int8',
+        help='inlinelm\'s weights: "none" float32, as transformers\' (the default), "auto" quantized',
     )
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args()
@@ -472,7 +473,7 @@ def _without_tokens(value: Any) -> Any:
 
 def print_table(report: dict[str, Any]) -> None:
     n, r = report["new_tokens"], report["requests"]
-    weights = "int8" if report.get("quantization") == "auto" else "fp32"
+    weights = "quantized" if report.get("quantization") == "auto" else "fp32"
     print(
         f"\n(a) one request, {n} new tokens, inlinelm {weights} (transformers fp32), "
         f"load average {report['load_average']}"

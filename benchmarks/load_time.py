@@ -1,6 +1,6 @@
 """First and second start of the default model: GGUF conversion, then cached load, with
-int8 weights (``quantization="auto"``, the CPU default: the int8 conversion) and float32
-(``"none"``).
+block-quantized weights (``quantization="auto"``, the CPU default: the conversion that
+keeps the file's blocks) and float32 (``"none"``).
 
 Each start runs in a fresh process against an empty ``INLINELM_CACHE`` (first) and the
 filled one (second), and times resolve + weights + tokenizer. ``--json PATH`` writes it.
@@ -26,7 +26,7 @@ from inlinelm.gpu.loading.model_files import resolve_model
 from inlinelm.gpu.loading.weights import load_model
 t1 = time.perf_counter()
 quantization = sys.argv[1]
-folder = resolve_model("default", int8=quantization != "none").folder
+folder = resolve_model("default", quantized=quantization != "none").folder
 t2 = time.perf_counter()
 cfg = read_model_config(folder)
 load_model(folder, cfg, dtype=torch.float32, device=torch.device("cpu"),

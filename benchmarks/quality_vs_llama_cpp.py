@@ -1,5 +1,6 @@
 """Issue 24 item 3: how often each GGUF type's top-1 token agrees with float32's, for
-inlinelm (``quantization="auto"``: int8 weights) and for llama-cpp-python on the same file,
+inlinelm (``quantization="auto"``: the file's blocks, or Q8_0 blocks of a type the kernel does
+not compute) and for llama-cpp-python on the same file,
 measured the same way, side by side in one run.
 
 The float32 model is the default model's weights as float32 (its Q4_1 file dequantized),
@@ -57,7 +58,7 @@ def quantize(source: Path, out: Path, ftype: str) -> None:
 def top1_ours(
     path: Path, mode: str, sequences: list[list[int]], starts: list[int]
 ) -> list[torch.Tensor]:
-    folder = resolve_model(str(path), int8=mode != "none").folder
+    folder = resolve_model(str(path), quantized=mode != "none").folder
     model = load_ours(folder, mode)
     return [
         prefill_logits(model, ids)[start - 1 : -1].argmax(-1)
@@ -124,7 +125,9 @@ def main() -> None:
             quantize(source, path, ftype)
             row = {
                 "file_mib": path.stat().st_size / 2**20,
-                "inlinelm int8 (auto)": agreement(top1_ours(path, "auto", sequences, starts), want),
+                "inlinelm quantized (auto)": agreement(
+                    top1_ours(path, "auto", sequences, starts), want
+                ),
                 "inlinelm float32 (none)": agreement(
                     top1_ours(path, "none", sequences, starts), want
                 ),
@@ -142,12 +145,12 @@ def main() -> None:
         f"llama.cpp on the F32 file agrees with inlinelm's float32 at {report['llama.cpp F32']:.4f}\n"
     )
     print(
-        "| file type | MiB | inlinelm int8 (auto) | llama.cpp | inlinelm float32 of the file (none) |"
+        "| file type | MiB | inlinelm quantized (auto) | llama.cpp | inlinelm float32 of the file (none) |"
     )
     print("|---|---|---|---|---|")
     for ftype, row in report["types"].items():
         print(
-            f"| {ftype} | {row['file_mib']:.0f} | {row['inlinelm int8 (auto)']:.4f} "
+            f"| {ftype} | {row['file_mib']:.0f} | {row['inlinelm quantized (auto)']:.4f} "
             f"| {row['llama.cpp']:.4f} | {row['inlinelm float32 (none)']:.4f} |"
         )
     write_json(args.json, report)

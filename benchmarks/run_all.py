@@ -31,12 +31,12 @@ BENCHMARKS: list[tuple[str, str, list[str], int]] = [
     ("e2e_cpu", "e2e_cpu.py", [], 480),
     ("ray_scale", "ray_scale.py", [], 300),
     ("family_step", "family_step.py", [], 300),
-    ("int8_cpu", "int8_cpu.py", [], 300),
+    ("quantized_cpu", "quantized_cpu.py", [], 300),
     ("cpu_step", "cpu_step.py", [], 300),
     ("vs_llama_cpp", "vs_llama_cpp.py", [], 300),
     ("quality_vs_llama_cpp", "quality_vs_llama_cpp.py", [], 900),
     ("vs_llama_server", "vs_llama_server.py", [], 600),
-    ("int8_memory", "int8_memory.py", ["--skip-7b"], 300),
+    ("block_memory", "block_memory.py", ["--skip-7b"], 300),
 ]
 NEEDS = {
     "vs_llama_cpp": "llama_cpp",
@@ -114,7 +114,7 @@ def summary(name: str, data: dict) -> str:
         )
     if name == "quality_vs_llama_cpp":
         return "; ".join(
-            f"{t}: ours {r['inlinelm int8 (auto)']:.3f}, llama.cpp {r['llama.cpp']:.3f}"
+            f"{t}: ours {r['inlinelm quantized (auto)']:.3f}, llama.cpp {r['llama.cpp']:.3f}"
             for t, r in data["types"].items()
         )
     if name == "vs_llama_server":
@@ -123,11 +123,11 @@ def summary(name: str, data: dict) -> str:
             f"{n}: {r['output_tokens_per_s']:.0f} tok/s, TTFT p50 {r['ttft_ms_p50']:.0f} ms"
             for n, r in m.items()
         )
-    if name == "int8_memory":
+    if name == "block_memory":
         rows = data["shaped"]
         return "; ".join(
             f"{n}: resident {r['second']['anon_growth'] / r['second']['tensor_bytes']:.3f}x "
-            "its int8 weights"
+            "its quantized weights"
             for n, r in rows.items()
         )
     if name == "cpu_step":

@@ -1,6 +1,6 @@
 """inlinelm against llama.cpp on the same GGUF file, side by side in one run: one request's
-decode speed with llama-cpp-python, and inlinelm's engine with int8 weights (the default,
-``quantization="auto"``) and with float32 (``"none"``).
+decode speed with llama-cpp-python, and inlinelm's engine with the file's quantized blocks
+(the default, ``quantization="auto"``) and with float32 (``"none"``).
 
 The default model's GGUF file (SmolLM2-135M-Instruct, Q4_1), the same prompt tokens, greedy,
 ``--new-tokens`` tokens, the same thread count for both (torch's intra-op threads; llama.cpp's
@@ -34,7 +34,7 @@ import torch
 from _common import load_average, median, workers, write_json
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-ENGINES = ("llama.cpp", "inlinelm int8", "inlinelm float32")
+ENGINES = ("llama.cpp", "inlinelm quantized", "inlinelm float32")
 
 
 def llama_cpp_ms_per_token(llm: Any, prompt: list[int], new: int) -> float:
@@ -93,7 +93,7 @@ def run(rounds: int, new: int, threads: int) -> dict[str, Any]:
     """Each engine in a process of its own, taking turns. (Two engines in one process run
     two OpenMP thread teams; with more OpenMP threads than cores, GNU OpenMP stops spinning
     and wakes each team by futex at every op, docs/architecture.md's "CPU threads": the
-    default model's int8 step went from 9 to 14 ms here.)"""
+    default model's step with int8 weights went from 9 to 14 ms here.)"""
     import llama_cpp
 
     from inlinelm.gpu.loading.model_files import resolve_model
@@ -101,7 +101,7 @@ def run(rounds: int, new: int, threads: int) -> dict[str, Any]:
     gguf = resolve_model("default").source
     targets = {
         "llama.cpp": (_llama_cpp_child, (gguf, threads)),
-        "inlinelm int8": (_inlinelm_child, ("auto", threads)),
+        "inlinelm quantized": (_inlinelm_child, ("auto", threads)),
         "inlinelm float32": (_inlinelm_child, ("none", threads)),
     }
     times: dict[str, list[float]] = {name: [] for name in ENGINES}

@@ -1,4 +1,4 @@
-"""32 requests at once on this CPU: inlinelm with int8 weights (the default,
+"""32 requests at once on this CPU: inlinelm with the file's quantized blocks (the default,
 ``quantization="auto"``) and with float32 (``"none"``) against llama.cpp's own server with
 32 parallel slots, on the same GGUF file, side by side in one run (issue 24, item 5).
 
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import load_average, median, percentile, workers, write_json
 from e2e_cpu import make_prompts
 
-SYSTEMS = ("llama-server", "inlinelm int8", "inlinelm float32")
+SYSTEMS = ("llama-server", "inlinelm quantized", "inlinelm float32")
 
 
 def _summary(ttfts: list[float], wall: float, tokens: int) -> dict[str, float]:
@@ -184,7 +184,7 @@ def main() -> None:
     print(f"vs_llama_server: {args.threads} threads; load average {load_average()}", flush=True)
     targets = {
         "llama-server": (_server_child, (args.server, files.source, args.threads, context)),
-        "inlinelm int8": (_inlinelm_child, ("auto", args.threads)),
+        "inlinelm quantized": (_inlinelm_child, ("auto", args.threads)),
         "inlinelm float32": (_inlinelm_child, ("none", args.threads)),
     }
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in SYSTEMS}

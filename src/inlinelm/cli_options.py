@@ -39,7 +39,7 @@ ENGINE_HELP: dict[str, str] = {
     "device": 'where the model runs: "cpu", "cuda" or "cuda:N"',
     "num_threads": "CPU threads for the model; default: the cores other processes leave idle, re-checked every second",
     "dtype": 'weight and activation dtype; "auto": bfloat16 on CUDA, float32 on CPU',
-    "quantization": 'linear weights as int8 on a CPU; "auto": the layers a GGUF file holds quantized, "int8": all, "none": float',
+    "quantization": 'block-quantized linear weights on a CPU; "auto": the layers a GGUF file holds quantized, in its own blocks, "int8": all (Q8_0), "none": float',
     "attention_backend": '"auto": FlashInfer kernels on CUDA when flashinfer imports, else torch',
     "seed": "the engine's base random seed (requests without a seed draw from it)",
     "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's own",

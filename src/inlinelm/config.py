@@ -114,9 +114,10 @@ class EngineConfig:
     device: str = "cpu"
     # "auto": bfloat16 on CUDA, float32 elsewhere (see model_dtype).
     dtype: DTypeName = "auto"
-    # Linear layers' weights as int8 (per output channel) on a CPU: "auto" for the layers a
-    # GGUF file holds quantized (float checkpoints stay float), "int8" for every one, "none"
-    # to dequantize them all to dtype. CUDA keeps float weights (see weight_quantization).
+    # Linear layers' weights block-quantized on a CPU: "auto" for the layers a GGUF file
+    # holds quantized, in their own blocks (Q8_0, Q4_0, Q4_1; other types as Q8_0; float
+    # checkpoints stay float), "int8" for every one (Q8_0), "none" to dequantize them all to
+    # dtype. CUDA keeps float weights (see weight_quantization).
     quantization: QuantizationName = "auto"
     # "auto": FlashInfer (attention, norms, RoPE, SiLU) on CUDA when it imports, else torch.
     attention_backend: AttentionBackendName = "auto"
@@ -198,7 +199,8 @@ class EngineConfig:
     @property
     def weight_quantization(self) -> str:
         """``quantization`` for ``device``: as given on a CPU; on CUDA ``"none"`` for
-        ``"auto"`` (int8 here are CPU kernels; an explicit ``"int8"`` is refused when made)."""
+        ``"auto"`` (quantized weights are CPU kernels; an explicit ``"int8"`` is refused when
+        made)."""
         if self.device.startswith("cuda") and self.quantization == "auto":
             return "none"
         return self.quantization

@@ -84,7 +84,7 @@ def default_runner(default_model_dir: Path) -> Iterator[ModelRunner]:
     set-up below. The set-ups differ in the scheduler's token budget and block pool, and the
     runner runs whatever batch it is given: each set-up gets a scheduler of its own over the
     first ``num_kv_blocks`` blocks of this runner's cache. Float weights: the greedy tokens
-    are transformers' (int8's are tested in tests/gpu/model/test_int8.py)."""
+    are transformers' (quantized weights are tested in tests/gpu/model/test_blocks.py)."""
     runner = ModelRunner(EngineConfig(num_kv_blocks=128, quantization="none"), default_model_dir)
     yield runner
     runner.close()

@@ -11,7 +11,7 @@ import torch
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.kv_cache import KVCacheSpec
-from inlinelm.gpu.loading.int8_weights import Int8Plan
+from inlinelm.gpu.loading.block_weights import BlockPlan
 from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.registry import read_model_config
 from inlinelm.gpu.model_memory import check_model_memory
@@ -54,21 +54,22 @@ def check_model_fits(config: EngineConfig, folder: Path) -> ModelFit:
     cfg = read_model_config(folder)
     max_model_len = resolve_max_model_len(config, cfg)
     dtype = DTYPES[config.model_dtype]
-    int8 = planned_int8(cfg, folder, config.weight_quantization, dtype)
-    kv_spec = check_model_memory(config, cfg, max_model_len, dtype, folder / "config.json", int8)
+    blocks = planned_blocks(cfg, folder, config.weight_quantization, dtype)
+    kv_spec = check_model_memory(config, cfg, max_model_len, dtype, folder / "config.json", blocks)
     return ModelFit(cfg, max_model_len, kv_spec)
 
 
-def planned_int8(cfg: ModelConfig, folder: Path, mode: str, dtype: torch.dtype) -> Int8Plan:
-    """The modules that will hold int8 weights (``weights.int8_plan``), from the config and
-    the folder's recorded tensor types alone (a model on the meta device)."""
+def planned_blocks(cfg: ModelConfig, folder: Path, mode: str, dtype: torch.dtype) -> BlockPlan:
+    """The modules that will hold block-quantized weights and their kinds
+    (``weights.block_plan``), from the config and the folder's recorded tensor types alone
+    (a model on the meta device)."""
     if mode == "none":
         return {}
     from inlinelm.gpu.attention.torch_backend import TorchAttention
-    from inlinelm.gpu.loading.weights import int8_plan
+    from inlinelm.gpu.loading.weights import block_plan
     from inlinelm.gpu.model.registry import build_model
 
     with torch.device("meta"):
         backend = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         model = build_model(cfg, backend, 1, None)
-    return int8_plan(model.to(dtype=dtype), cfg, folder, mode)
+    return block_plan(model.to(dtype=dtype), cfg, folder, mode)

@@ -4,9 +4,9 @@
 config (a 4 TiB embedding is refused in microseconds, a billion layers without listing
 them):
 
-- the weights, in the model's dtype, or int8 for the layers that keep int8 weights; our
-  model keeps its own float LM head even when the checkpoint ties it to the embedding (an
-  int8 one shares the embedding's);
+- the weights, in the model's dtype, or their blocks' bytes for the layers that keep
+  block-quantized weights; our model keeps its own float LM head even when the checkpoint
+  ties it to the embedding (a quantized one shares the embedding's);
 - the rotary cos/sin table (float32, one row per position up to ``max_model_len``);
 - the persistent batch's token and block tables (int64, ``max_num_seqs`` rows);
 - the KV cache, when its size is fixed before loading: always on a CPU, on CUDA only with
@@ -39,6 +39,7 @@ from inlinelm.gpu.attention.torch_backend import TorchAttention
 from inlinelm.gpu.kv_cache import HostMemory, KVCacheSpec, kv_cache_spec
 from inlinelm.gpu.kv_cache import format_bytes as format_bytes  # re-exported: its old home
 from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.model.layers.blocks import packed_bytes
 from inlinelm.gpu.model.registry import build_model
 
 logger = logging.getLogger(__name__)
@@ -63,11 +64,12 @@ def memory_parts(
     cfg: ModelConfig,
     max_model_len: int,
     dtype: torch.dtype,
-    int8: Mapping[str, int] | None = None,
+    blocks: Mapping[str, str] | None = None,
 ) -> list[MemoryPart]:
     """What loading ``cfg`` for ``config`` allocates up front (see the module docstring);
-    the modules named in ``int8`` keep int8 weights (``weights.int8_plan``)."""
-    embedding, layers = weight_parts(cfg, dtype, int8)
+    the modules named in ``blocks`` keep block-quantized weights of their kinds
+    (``weights.block_plan``)."""
+    embedding, layers = weight_parts(cfg, dtype, blocks)
     length_blame = "max_model_len" if config.max_model_len is not None else _length_field(cfg)
     length_is_option = config.max_model_len is not None
     max_blocks = -(-max_model_len // config.block_size)
@@ -111,7 +113,7 @@ def check_model_memory(
     max_model_len: int,
     dtype: torch.dtype,
     config_path: Path,
-    int8: Mapping[str, int] | None = None,
+    blocks: Mapping[str, str] | None = None,
 ) -> KVCacheSpec | None:
     """Refuse, before anything is allocated, a model this machine cannot hold (see the
     module docstring); reads only the memory counters. Returns the KV cache's spec when
@@ -119,7 +121,7 @@ def check_model_memory(
     device = torch.device(config.device)
     device_free = device_memory_free(device) if device.type == "cuda" else None
     host_free = host_memory_available()
-    parts = memory_parts(config, cfg, max_model_len, dtype, int8)
+    parts = memory_parts(config, cfg, max_model_len, dtype, blocks)
     # NOTE: the model's own parts first: a model that cannot fit is blamed on its config,
     # before the KV sizing can complain about a max_model_len the config chose.
     check_fits(parts, device_free=device_free, host_free=host_free, config_path=config_path)
@@ -231,20 +233,20 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def weight_parts(
-    cfg: ModelConfig, dtype: torch.dtype, int8: Mapping[str, int] | None = None
+    cfg: ModelConfig, dtype: torch.dtype, blocks: Mapping[str, str] | None = None
 ) -> tuple[int, int]:
     """Bytes of (the embedding, the LM head and the final norm; all decoder layers) with
-    the modules of ``int8`` holding int8 weights (a byte each, and a float32 scale per row
-    or per each of the row's scale groups, ``int8``'s values; a tied int8 head reads the
-    embedding's, so it takes none) and the rest ``dtype``."""
-    return _weight_parts(cfg, dtype, tuple(sorted((int8 or {}).items())))
+    the modules of ``blocks`` holding block-quantized weights of their kinds (their
+    tiles' bytes, ``layers.blocks.packed_bytes``; a bias in float32; a tied quantized head
+    reads the embedding's, so it takes none) and the rest ``dtype``."""
+    return _weight_parts(cfg, dtype, tuple(sorted((blocks or {}).items())))
 
 
 @functools.cache
 def _weight_parts(
-    cfg: ModelConfig, dtype: torch.dtype, int8_items: tuple[tuple[str, int], ...]
+    cfg: ModelConfig, dtype: torch.dtype, block_items: tuple[tuple[str, str], ...]
 ) -> tuple[int, int]:
-    int8 = dict(int8_items)
+    blocks = dict(block_items)
     itemsize = torch.empty((), dtype=dtype).element_size()
     with torch.device("meta"):
         backend = TorchAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -252,13 +254,13 @@ def _weight_parts(
     sizes = [0, 0]
     for name, module in model.named_modules():
         for pname, param in module.named_parameters(recurse=False):
-            if name not in int8 or pname == "bias":
-                size = param.numel() * (_FLOAT32 if name in int8 else itemsize)
+            if name not in blocks or pname == "bias":
+                size = param.numel() * (_FLOAT32 if name in blocks else itemsize)
             elif name == "lm_head" and cfg.tie_word_embeddings:
                 size = 0
             else:  # an Embedding's weight [rows, in], a Linear's weight_t [in, rows]
-                rows = param.shape[0] if pname == "weight" else param.shape[1]
-                size = param.numel() + _FLOAT32 * rows * int8[name]
+                rows, cols = param.shape if pname == "weight" else reversed(param.shape)
+                size = packed_bytes(blocks[name], rows, cols)
             sizes[name.startswith("layers.")] += size
     return sizes[0], sizes[1]
 

@@ -68,7 +68,7 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
     from inlinelm.gpu.loading.model_files import load_tokenizer, resolve_model
 
     start = time.perf_counter()
-    files = resolve_model(config.model, int8=_int8_weights(config))
+    files = resolve_model(config.model, quantized=_quantized_weights(config))
     fit = _check_model_fits(config, files.folder)
     tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else files.folder)
     if fit is not None:
@@ -112,9 +112,10 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
     return LoadedEngine(core, tokenizer, max_model_len, eos, admission, grammars)
 
 
-def _int8_weights(config: EngineConfig) -> bool:
-    """Whether the runner may compute with int8 weights (then a GGUF file's conversion keeps
-    its quantized matrices as int8): a model runner on a CPU whose int8 kernel built."""
+def _quantized_weights(config: EngineConfig) -> bool:
+    """Whether the runner may compute with block-quantized weights (then a GGUF file's
+    conversion keeps its quantized matrices as blocks): a model runner on a CPU whose
+    kernel built."""
     if config.runner == "echo" or config.weight_quantization == "none":
         return False
     from inlinelm.gpu.model.cpu_extension import cpu_extension

@@ -3,8 +3,8 @@
 
 The model is resolved first (a GGUF file converted, when its cache holds no conversion
 yet: the first start), then its weights are loaded as the runner loads them (a second
-start). Reported, in bytes: the weights' own tensors (each storage once: a tied int8 head
-shares the embedding's), what ``weight_parts`` says they take (the memory check's
+start). Reported, in bytes: the weights' own tensors (each storage once: a tied quantized
+head shares the embedding's), what ``weight_parts`` says they take (the memory check's
 figure), the process's anonymous resident memory before and after loading (Linux's
 RssAnon: the weights, not the file pages safetensors maps while reading), and the peak
 resident set while loading (VmHWM after resetting it: anonymous and mapped file pages).
@@ -30,14 +30,14 @@ def _status(field: str) -> int:
 
 
 def _tensor_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every tensor the model holds (parameters, int8 weights and scales), each
+    """Bytes of every tensor the model holds (parameters, block-quantized weights), each
     storage counted once."""
     seen: dict[int, int] = {}
     tensors = [p.data for p in model.parameters()]
     for module in model.modules():
-        int8 = getattr(module, "int8", None)
-        if int8 is not None:
-            tensors += list(int8)
+        blocks = getattr(module, "blocks", None)
+        if blocks is not None:
+            tensors.append(blocks.data)
         packed = getattr(module, "_packed", None)
         if packed is not None:
             tensors.append(packed)
@@ -54,17 +54,17 @@ def probe(model: str, quantization: str) -> dict[str, float]:
     from inlinelm.gpu.loading.model_files import resolve_model
     from inlinelm.gpu.model.cpu_extension import cpu_extension
     from inlinelm.gpu.model.registry import read_model_config
-    from inlinelm.gpu.model_fit import planned_int8
+    from inlinelm.gpu.model_fit import planned_blocks
     from inlinelm.gpu.model_memory import return_free_heap, weight_parts
     from tests.gpu.reference import load_ours
 
     torch.set_num_threads(2)
-    int8 = quantization != "none" and cpu_extension() is not None
+    quantized = quantization != "none" and cpu_extension() is not None
     start = time.perf_counter()
-    folder = resolve_model(model, int8=int8).folder
+    folder = resolve_model(model, quantized=quantized).folder
     resolve_s = time.perf_counter() - start
     cfg = read_model_config(folder)
-    plan = planned_int8(cfg, folder, quantization, torch.float32)
+    plan = planned_blocks(cfg, folder, quantization, torch.float32)
     return_free_heap()
     before = _status("RssAnon")
     Path("/proc/self/clear_refs").write_text("5")  # NOTE: resets VmHWM to the current RSS
@@ -81,7 +81,7 @@ def probe(model: str, quantization: str) -> dict[str, float]:
         "tensor_bytes": _tensor_bytes(loaded),
         "estimate_bytes": sum(weight_parts(cfg, torch.float32, plan)),
         "float32_bytes": sum(weight_parts(cfg, torch.float32)),
-        "int8_modules": len(plan),
+        "quantized_modules": len(plan),
         "anon_before": before,
         "anon_growth": after - before,
         "peak_growth": peak,

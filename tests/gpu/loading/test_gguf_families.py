@@ -205,7 +205,7 @@ def _rounding_bounds(
 def greedy(model: Path) -> Greedy:
     """The engine's greedy tokens for each prompt, with the top-2 logprob gap at each: with
     the file's own values dequantized (``quantization="none"``; these tests check the
-    conversion, tests/gpu/model/test_int8.py the int8 layers)."""
+    conversion, tests/gpu/model/test_blocks.py the quantized layers)."""
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
     engine = Engine(model=str(model), num_threads=1, max_num_seqs=2, quantization="none")
     try:
@@ -269,22 +269,22 @@ def test_the_conversion_records_each_tensors_stored_type(models: Models, qtype: 
     assert weights and all(types[name] == qtype for name in weights)
     assert types["model.norm.weight"] == "F32"
     model = load_ours(models.converted("qwen3", qtype), "auto")
-    int8 = [m.is_int8 for m in model.modules() if isinstance(m, Linear)]
-    assert int8 and all(int8) == (qtype == "Q8_0") and any(int8) == (qtype == "Q8_0")
+    quantized = [m.blocks is not None for m in model.modules() if isinstance(m, Linear)]
+    assert quantized and all(quantized) == (qtype == "Q8_0") == any(quantized)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_the_int8_conversion_keeps_experts_float(models: Models, family: str) -> None:
+def test_the_quantized_conversion_keeps_experts_float(models: Models, family: str) -> None:
     # A sparse MLP computes in float: its experts keep the file's values, where the
-    # attention's matrices are the file's int8 blocks.
+    # attention's matrices are the file's Q8_0 blocks.
     path = str(models.gguf(family, "Q8_0"))
-    kept = folder_tensors(resolve_model(path, int8=True).folder)
+    kept = folder_tensors(resolve_model(path, quantized=True).folder)
     floats = folder_tensors(models.converted(family, "Q8_0"))
     experts = [name for name in kept if ".experts." in name and name.endswith(".weight")]
     assert experts
     for name in experts:
         assert kept[name].dtype == torch.float32 and torch.equal(kept[name], floats[name]), name
-    assert kept["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    assert kept["model.layers.0.self_attn.q_proj.weight"].dtype == torch.uint8
 
 
 def test_yarn_rope_converts(tmp_path: Path, tokenizer_dir: Path, models: Models) -> None:

@@ -1,7 +1,8 @@
 """Every GGUF weight type the CPU engine is asked to run: a file whose linear weights (and
 embedding) are stored in it loads, its tensors come out as gguf-py dequantizes them, and
-with ``quantization="auto"`` every linear layer runs int8 and computes the model of its
-int8 weights.
+with ``quantization="auto"`` every linear layer runs block-quantized, in the file's own
+blocks where the kernel computes them (Q8_0, Q4_0, Q4_1) and as Q8_0 blocks of its values
+otherwise, and computes with exactly those weights.
 
 The legacy types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are quantized from a tiny Llama by gguf-py
 itself. gguf-py has no quantizer for the K-quants (Q4_K, Q5_K, Q6_K), so their blocks are
@@ -11,6 +12,7 @@ of them is a model whose weights are what the blocks decode to.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,16 +20,18 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
-from inlinelm.gpu.loading.model_files import resolve_model
-from inlinelm.gpu.loading.quantization import INT8_SCALE, stored_types
+from inlinelm.errors import ModelLoadError
+from inlinelm.gpu.loading.model_files import resolve_model, weight_files
+from inlinelm.gpu.loading.quantization import BLOCKS_METADATA, KEPT_TYPES, stored_types
 from inlinelm.gpu.model.cpu_extension import cpu_extension
-from inlinelm.gpu.model.layers.int8 import quantize_groups
+from inlinelm.gpu.model.layers.blocks import dequantize_blocks, quantize_q8_0
 from inlinelm.gpu.model.layers.linear import Linear
 from tests.conftest import make_tiny_model
 from tests.gpu.loading.gguf_writer import F32, write_family_gguf
-from tests.gpu.model.test_int8 import fake_quantized
-from tests.gpu.reference import folder_tensors, load_ours, logits_atol, prefill_logits
+from tests.gpu.model.test_blocks import reference, spread
+from tests.gpu.reference import folder_tensors, load_ours, prefill_logits
 
 pytestmark = pytest.mark.skipif(cpu_extension() is None, reason="the CPU extension did not build")
 
@@ -88,7 +92,7 @@ def files(
 
 
 @pytest.mark.parametrize("qtype", LEGACY + K_QUANTS)
-def test_a_file_of_each_type_loads_as_gguf_dequantizes_it_and_runs_int8(
+def test_a_file_of_each_type_loads_as_gguf_dequantizes_it_and_runs_quantized(
     files: dict[str, Path], qtype: str
 ) -> None:
     path = files[qtype]
@@ -103,12 +107,13 @@ def test_a_file_of_each_type_loads_as_gguf_dequantizes_it_and_runs_int8(
     # each tensor is gguf-py's dequantization of its blocks (Q rows un-permuted from
     # llama.cpp's interleaved rotary layout)
     tensors = folder_tensors(converted)
-    for name, gguf_name in (
+    checked = (
         ("model.embed_tokens.weight", "token_embd.weight"),
         ("model.layers.1.mlp.down_proj.weight", "blk.1.ffn_down.weight"),
         ("model.layers.0.self_attn.o_proj.weight", "blk.0.attn_output.weight"),
         ("model.layers.0.self_attn.q_proj.weight", "blk.0.attn_q.weight"),
-    ):
+    )
+    for name, gguf_name in checked:
         t = stored[gguf_name]
         want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
         got = tensors[name]
@@ -116,38 +121,57 @@ def test_a_file_of_each_type_loads_as_gguf_dequantizes_it_and_runs_int8(
         if "q_proj" in name:
             want = _unpermute(want, SHAPE["num_attention_heads"])
         assert torch.equal(got, want), name
-    # with "auto", every linear layer (the tied LM head too) runs int8, computing the
-    # model of its int8 weights
-    ours = load_ours(converted, "auto")
-    linears = [m for m in ours.modules() if isinstance(m, Linear)]
-    assert linears and all(m.is_int8 for m in linears)
-    ids = list(range(5, 45))
-    want = prefill_logits(fake_quantized(converted), ids)
-    torch.testing.assert_close(
-        prefill_logits(ours, ids), want, rtol=0.0, atol=logits_atol(ours.config, want)
-    )
-    assert not any(
-        m.is_int8 for m in load_ours(converted, "none").modules() if isinstance(m, Linear)
-    )
-    # the int8 conversion keeps each quantized matrix as the int8 rows and scales the
-    # engine computes with (nothing left to quantize at a start), and computes the same
-    # model to the bit
-    kept = resolve_model(str(path), int8=True).folder
+    # the quantized conversion keeps each matrix as the blocks the engine computes with
+    # (nothing left to quantize at a start): the file's own bytes for a kind the kernel
+    # computes, else Q8_0 blocks of its values
+    kept = resolve_model(str(path), quantized=True).folder
     assert kept != converted
-    int8_tensors = folder_tensors(kept)
-    for name in weights:
-        # a Q8_0 file's own values and block scales; any other type's rows quantized
-        groups = tensors[name].shape[1] // 32 if qtype == "Q8_0" else 1
-        q, scale = quantize_groups(tensors[name], groups)
-        assert int8_tensors[name].dtype == torch.int8, name
-        assert torch.equal(int8_tensors[name], q) and torch.equal(
-            int8_tensors[name + INT8_SCALE], scale
-        )
+    kind = qtype if qtype in KEPT_TYPES else "Q8_0"
+    blocks, kinds = _blocks(kept)
+    assert set(weights) <= set(kinds) and {kinds[name] for name in weights} == {kind}
+    for name, gguf_name in checked:
+        raw = torch.from_numpy(stored[gguf_name].data.copy())
+        if "q_proj" in name:
+            raw = _unpermute(raw, SHAPE["num_attention_heads"])
+        want = raw if kind == qtype else quantize_q8_0(tensors[name])
+        assert torch.equal(blocks[name], want), name
     norm = "model.norm.weight"
-    assert int8_tensors[norm].dtype == torch.float32 and torch.equal(
-        int8_tensors[norm], tensors[norm]
+    assert blocks[norm].dtype == torch.float32 and torch.equal(blocks[norm], tensors[norm])
+    # with "auto", every linear layer (the tied LM head too) holds those blocks and computes
+    # with them, on the inputs a forward gives it
+    ours = load_ours(kept, "auto")
+    linears = {n: m for n, m in ours.named_modules() if isinstance(m, Linear)}
+    assert linears and all(m.blocks is not None and m.blocks.kind == kind for m in linears.values())
+    down = linears["layers.1.mlp.down_proj"]
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hook = down.register_forward_hook(lambda m, a, out: seen.append((a[0].clone(), out.clone())))
+    prefill_logits(ours, list(range(5, 45)))
+    hook.remove()
+    down_blocks = blocks["model.layers.1.mlp.down_proj.weight"]
+    values = dequantize_blocks(down_blocks, kind)
+    exact, bound = reference(seen[0][0], values, spread(down_blocks, kind), None)
+    assert ((seen[0][1].double() - exact).abs() <= bound).all()
+    assert torch.equal(down.blocks.dequantize(), values)
+    assert not any(
+        m.blocks is not None
+        for m in load_ours(converted, "none").modules()
+        if isinstance(m, Linear)
     )
-    assert torch.equal(prefill_logits(load_ours(kept, "auto"), ids), prefill_logits(ours, ids))
+    if kind != "Q8_0":  # the float conversion holds no Q4 blocks to fill Q4 layers with
+        with pytest.raises(ModelLoadError, match=f"{kind} module is filled from its own blocks"):
+            load_ours(converted, "auto")
+
+
+def _blocks(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of a quantized conversion, and the block kind of each block tensor
+    (from its shard's metadata)."""
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    for path in weight_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            kinds.update(json.loads((f.metadata() or {}).get(BLOCKS_METADATA, "{}")))
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+    return tensors, kinds
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.loading import model_files
 from inlinelm.gpu.loading.model_files import resolve_model
+from inlinelm.gpu.loading.quantization import BLOCKS_METADATA
 from inlinelm.gpu.model.registry import read_model_config
 from tests.conftest import make_tiny_model
 from tests.gpu.reference import assert_logits_close, load_ours, load_reference, prefill_logits
@@ -135,34 +136,58 @@ def test_non_float_weights_are_refused(tiny_copy: Path) -> None:
         load_ours(tiny_copy)
 
 
-@pytest.mark.parametrize(
-    ("scale_shape", "dtype"),
-    [
-        ((None, 3), torch.float32),
-        ((None, 0), torch.float32),
-        ("groups of 8", torch.float32),
-        ((None,), torch.float16),
-        ((5,), torch.float32),
-    ],
-    ids=["groups-not-dividing", "no-groups", "groups-of-8", "float16", "wrong-rows"],
-)
-def test_int8_weights_need_float32_scales_of_their_rows_or_groups(
-    tiny_copy: Path, scale_shape: Any, dtype: torch.dtype
-) -> None:
-    name = "model.layers.0.mlp.down_proj.weight"
-    path = next(tiny_copy.glob("*.safetensors"))
+DOWN = "model.layers.0.mlp.down_proj.weight"
+
+
+def _write_blocks(folder: Path, blocks: torch.Tensor, metadata: dict[str, str] | None) -> Path:
+    """The tiny model's down projection of layer 0 replaced by ``blocks`` (U8), the shard's
+    metadata by ``metadata``."""
+    path = next(folder.glob("*.safetensors"))
     tensors = load_file(str(path))
-    rows, cols = tensors[name].shape
-    shape = (
-        (rows, cols // 8)
-        if scale_shape == "groups of 8"
-        else tuple(rows if d is None else d for d in scale_shape)
+    tensors[DOWN] = blocks
+    save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
+    return path
+
+
+def test_a_weights_gguf_blocks_load_into_float_and_quantized_layers(
+    tiny_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from inlinelm.gpu.loading import weights as loading
+    from inlinelm.gpu.model.layers.blocks import dequantize_blocks, quantize_q8_0
+
+    monkeypatch.setattr(loading, "onednn_packing_available", lambda *args: False)  # readable
+    weight = load_file(str(next(tiny_copy.glob("*.safetensors"))))[DOWN]
+    blocks = quantize_q8_0(weight)
+    _write_blocks(tiny_copy, blocks, {BLOCKS_METADATA: json.dumps({DOWN: "Q8_0"})})
+    values = dequantize_blocks(blocks, "Q8_0")
+    floats = load_ours(tiny_copy, "none").layers[0].mlp.down_proj
+    assert floats.blocks is None and torch.equal(floats.weight_t.data.t(), values)
+    quantized = load_ours(tiny_copy, "int8").layers[0].mlp.down_proj
+    assert quantized.blocks is not None and torch.equal(quantized.blocks.dequantize(), values)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "width", "message"),
+    [
+        (None, 68, "a U8 tensor is a block-quantized weight only with its kind"),
+        ({DOWN: "Q8_0"}, 67, r"Q8_0 blocks of a \(64, 128\) weight are U8 \(64, 136\)"),
+        ({DOWN: "Q4_1"}, 136, r"Q4_1 blocks of a \(64, 128\) weight are U8 \(64, 80\)"),
+        ({DOWN: "Q2_K"}, 136, "must map tensor names to one of"),
+        ("not json", 136, "unreadable inlinelm.blocks metadata"),
+    ],
+    ids=["no-kind", "short-rows", "wrong-kind-width", "unknown-kind", "bad-metadata"],
+)
+def test_block_weights_are_checked_against_their_kind_and_shape(
+    tiny_copy: Path, metadata: Any, width: int, message: str
+) -> None:
+    raw = metadata if isinstance(metadata, str) else json.dumps(metadata)
+    path = _write_blocks(
+        tiny_copy,
+        torch.zeros(64, width, dtype=torch.uint8),
+        None if metadata is None else {BLOCKS_METADATA: raw},
     )
-    tensors[name] = torch.ones(rows, cols, dtype=torch.int8)
-    tensors[name + "_scale"] = torch.ones(shape, dtype=dtype)
-    save_file(tensors, str(path))
-    with pytest.raises(ModelLoadError, match=rf"int8 scales must be F32.*field: {name}_scale"):
-        load_ours(tiny_copy)
+    with pytest.raises(ModelLoadError, match=rf"{message}.*file: {path}"):
+        load_ours(tiny_copy, "int8")
 
 
 def test_missing_tensor_is_named(tiny_copy: Path) -> None:
@@ -215,9 +240,9 @@ def test_processes_starting_on_one_gguf_at_once_convert_it_once(
     convert = model_files._convert_gguf
     calls: list[Path] = []
 
-    def counted(source: Path, out: Path, *, int8: bool) -> None:
+    def counted(source: Path, out: Path, *, quantized: bool) -> None:
         calls.append(out)
-        convert(source, out, int8=int8)
+        convert(source, out, quantized=quantized)
 
     monkeypatch.setattr(model_files, "_convert_gguf", counted)
     start = threading.Barrier(2, timeout=60)
@@ -225,7 +250,7 @@ def test_processes_starting_on_one_gguf_at_once_convert_it_once(
 
     def resolve() -> None:
         start.wait()  # NOTE: both ask before either has converted (a conversion takes seconds)
-        folders.append(model_files._from_gguf(path, int8=True))
+        folders.append(model_files._from_gguf(path, quantized=True))
 
     threads = [threading.Thread(target=resolve) for _ in range(2)]
     for thread in threads:

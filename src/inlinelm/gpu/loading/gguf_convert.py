@@ -1,5 +1,5 @@
 """Convert a GGUF file into the Hugging Face files transformers would save of its model:
-config.json, safetensors shards (float32, or int8 for the matrices the file holds
+config.json, safetensors shards (float32, or GGUF blocks for the matrices the file holds
 quantized) and the tokenizer files.
 
 The steps are one module each: the header (``gguf_header``: the family and its config
@@ -47,11 +47,11 @@ MODEL_CARD_SAMPLING: Mapping[tuple[str, str, str, str], Mapping[str, Any]] = {
 ``size_label`` and ``finetune``: one rule, whatever path or name the file is given by."""
 
 
-def convert_gguf(path: Path, out: Path, *, int8: bool = False) -> dict[str, str]:
+def convert_gguf(path: Path, out: Path, *, quantized: bool = False) -> dict[str, str]:
     """Write config.json, the weights and the tokenizer files of ``path`` into ``out``,
     and generation_config.json when the file recommends sampling values. The weights are
-    float32, or with ``int8`` the file's quantized matrices as int8 rows and their scales
-    (:func:`~.gguf_tensors.write_tensors`).
+    float32, or with ``quantized`` the file's quantized matrices as the blocks the engine
+    computes with (:func:`~.gguf_tensors.write_tensors`).
 
     Everything the header tells is checked before a tensor is dequantized: the
     architecture and the metadata keys the config is built from, every tensor's name,
@@ -69,8 +69,8 @@ def convert_gguf(path: Path, out: Path, *, int8: bool = False) -> dict[str, str]
         bar.update(1)
     names = TensorNames(header.family)
     check_tensors(reader, path, header, names)
-    check_room(reader, path, out, int8=int8)
-    types, weight_map = write_tensors(reader, path, header, names, out, int8=int8)
+    check_room(reader, path, out, quantized=quantized)
+    types, weight_map = write_tensors(reader, path, header, names, out, quantized=quantized)
     (out / GGUF_TYPES_FILE).write_text(json.dumps(types, indent=1, sort_keys=True))
     _convert_tokenizer(path, out)
     generation = _sampling_fields(reader) or dict(MODEL_CARD_SAMPLING.get(_identity(reader), {}))

@@ -1,6 +1,6 @@
 """A GGUF file's tensors: checked against its header, then dequantized to float32 and
-turned back into the tensors transformers saves for the family (kept as int8 rows with
-their scales where the file holds them quantized and the engine computes with int8).
+turned back into the tensors transformers saves for the family (kept as blocks where the
+file holds them quantized and the engine computes with block-quantized weights).
 
 What llama.cpp's converter did is undone per family (:class:`~.gguf_names.Family`): Q/K
 rows un-permuted, Gemma's ``1 + w`` norms back to ``w`` (exact when ``1 + w`` is a float32
@@ -10,6 +10,7 @@ kept), each stacked expert tensor split into one tensor per expert.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from collections.abc import Iterator
@@ -22,14 +23,15 @@ import torch
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.loading.gguf_header import GgufHeader
 from inlinelm.gpu.loading.gguf_names import GgufTensor, TensorNames, tensor_shape
-from inlinelm.gpu.loading.quantization import FLOAT_TYPES, GROUPED_TYPES, INT8_SCALE
-from inlinelm.gpu.model.layers.int8 import BAND_FLOATS, quantize_rows
+from inlinelm.gpu.loading.quantization import BLOCKS_METADATA, FLOAT_TYPES, block_kind
+from inlinelm.gpu.model.layers.blocks import BLOCK, BLOCK_BYTES, quantize_q8_0
 from inlinelm.gpu.model_memory import format_bytes, host_memory_available
 from inlinelm.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
 _FLOAT32 = 4
+_BAND_FLOATS = 1 << 22  # dequantized floats at a time, turning a matrix into Q8_0 blocks
 
 
 def check_tensors(reader: Any, path: Path, header: GgufHeader, names: TensorNames) -> None:
@@ -91,11 +93,11 @@ def _required_tensors(header: GgufHeader, names: TensorNames) -> Iterator[str]:
         yield from names.layer_names(bid)
 
 
-def check_room(reader: Any, path: Path, out: Path, *, int8: bool) -> None:
+def check_room(reader: Any, path: Path, out: Path, *, quantized: bool) -> None:
     """Refuse a conversion that cannot fit the memory or the cache disk: each layer's
     tensors are held in memory (float32, with one more tensor on its way in), then
-    written out; on disk, every tensor in float32, or in int8 where ``int8`` and the file
-    holds it quantized (one byte a weight, four a row for its scale)."""
+    written out; on disk, every tensor in float32, or as blocks where ``quantized`` and
+    the file holds it quantized (its own blocks' bytes, or Q8_0's)."""
     groups: dict[int | None, int] = {}
     total = largest = 0
     for t in reader.tensors:
@@ -103,11 +105,9 @@ def check_room(reader: Any, path: Path, out: Path, *, int8: bool) -> None:
         bid = _block_of(t.name)
         groups[bid] = groups.get(bid, 0) + size
         largest = max(largest, size)
-        kept_int8 = int8 and t.tensor_type.name not in FLOAT_TYPES and len(t.shape) == 2
-        if kept_int8:  # a byte a weight, a float32 scale a row (a Q8_0 file's: a block)
+        if quantized and t.tensor_type.name not in FLOAT_TYPES and len(t.shape) == 2:
             cols, rows = int(t.shape[0]), int(t.shape[1])
-            block = GROUPED_TYPES.get(t.tensor_type.name)
-            size = rows * cols + _FLOAT32 * rows * (cols // block if block else 1)
+            size = rows * cols // BLOCK * BLOCK_BYTES[block_kind(t.tensor_type.name)]
         total += size
     need = max(groups.values(), default=0) + 2 * largest
     available = host_memory_available()
@@ -146,18 +146,18 @@ def _can_dequantize(tensor_type: Any) -> bool:
 
 
 def write_tensors(
-    reader: Any, path: Path, header: GgufHeader, names: TensorNames, out: Path, *, int8: bool
+    reader: Any, path: Path, header: GgufHeader, names: TensorNames, out: Path, *, quantized: bool
 ) -> tuple[dict[str, str], dict[str, str]]:
     """Write every weight of the file into ``out`` as the tensors transformers saves, one
     safetensors shard per layer (and one for the model's own tensors), so one layer is in
     memory at a time; return the GGUF type each came from (``"Q4_K"``, ``"F32"``, ...) and
     the shard each is in (the index's weight map), by the same names.
 
-    Float32, or with ``int8``, each matrix the file holds quantized (but a sparse MLP's
-    stacked experts, which compute in float) as int8 rows with their float32 scales
-    (:data:`~inlinelm.gpu.loading.quantization.INT8_SCALE`), as the engine computes with
-    it: a quarter of the disk and of the next start's reading, and nothing left to
-    quantize then.
+    Float32, or with ``quantized``, each matrix the file holds quantized (but a sparse
+    MLP's stacked experts, which compute in float) as the GGUF blocks the engine computes
+    with (:func:`_blocks`; their kinds in each shard's
+    :data:`~inlinelm.gpu.loading.quantization.BLOCKS_METADATA`): a fraction of float32's
+    disk and of the next start's reading, and nothing left to quantize then.
     """
     import gguf
     from safetensors.torch import save_file
@@ -174,22 +174,18 @@ def write_tensors(
     with progress_bar(total, desc, unit="B", unit_scale=True, unit_divisor=1024) as bar:
         for i, bid in enumerate(order):
             tensors: dict[str, torch.Tensor] = {}
+            kinds: dict[str, str] = {}
             for t in groups[bid]:
                 found_bid, tensor = _lookup(names, t.name)
                 # NOTE: a sparse MLP's experts compute in float (SparseMoE): kept as the
-                # file's exact values, not rounded to int8 and back
-                kept = int8 and not tensor.stacked and len(t.shape) == 2
+                # file's exact values, not rounded to Q8_0 and back
+                kept = quantized and not tensor.stacked and len(t.shape) == 2
                 if kept and t.tensor_type.name not in FLOAT_TYPES:
-                    q, scale = _int8_rows(t)
-                    for (name, value), (_, s) in zip(
-                        _undo(q, found_bid, tensor, header),
-                        _undo(scale, found_bid, tensor, header),
-                        strict=True,
-                    ):
-                        per_row = s.shape[-1] == 1
+                    kind, blocks = _blocks(t)
+                    for name, value in _undo(blocks, found_bid, tensor, header):
                         types[name] = t.tensor_type.name
+                        kinds[name] = kind
                         tensors[name] = value
-                        tensors[name + INT8_SCALE] = (s[:, 0] if per_row else s).contiguous()
                 else:
                     array = gguf.quants.dequantize(t.data, t.tensor_type)
                     array = np.asarray(array, dtype=np.float32)
@@ -198,37 +194,34 @@ def write_tensors(
                         tensors[name] = value
                 bar.update(int(t.n_bytes))
             shard = f"model-{i + 1:05d}-of-{len(order):05d}.safetensors"
-            save_file(tensors, str(out / shard), metadata={"format": "pt"})
+            metadata = {"format": "pt"}
+            if kinds:
+                metadata[BLOCKS_METADATA] = json.dumps(kinds, sort_keys=True)
+            save_file(tensors, str(out / shard), metadata=metadata)
             weight_map.update(dict.fromkeys(tensors, shard))
             logger.info("converted %d/%d layers of %s", i + 1, len(order), path.name)
     return types, dict(sorted(weight_map.items()))
 
 
-def _int8_rows(t: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A quantized GGUF tensor as int8 rows [..., rows, cols] and their float32 scales:
-    a Q8_0 tensor's own values and block scales ([..., rows, cols / 32]: nothing is
-    rounded again), any other type's rows quantized (``quantize_rows`` of its dequantized
-    rows, [..., rows, 1]), a band of rows at a time: a large matrix is never whole in
-    float32."""
+def _blocks(t: Any) -> tuple[str, np.ndarray]:
+    """A quantized GGUF matrix as the blocks the engine computes with (uint8 [rows, blocks'
+    bytes]) and their kind: the file's own bytes for a kind the kernel computes
+    (:data:`~inlinelm.gpu.loading.quantization.KEPT_TYPES`), else Q8_0 blocks of its
+    dequantized rows, a band of rows at a time: a large matrix is never whole in float32."""
     import gguf
 
     data = t.data.reshape(-1, t.data.shape[-1])  # one row of blocks per weight row
+    kind = block_kind(t.tensor_type.name)
+    if kind == t.tensor_type.name:
+        return kind, data
     cols = int(t.shape[0])  # NOTE: GGUF lists the row length first
-    lead = t.data.shape[:-1]
-    if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
-        block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
-        blocks = data.reshape(data.shape[0], cols // block, size)
-        scale = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
-        q = blocks[:, :, 2:].copy().view(np.int8).reshape(data.shape[0], cols)
-        return q.reshape(*lead, cols), scale.reshape(*lead, cols // block)
-    q = np.empty((data.shape[0], cols), dtype=np.int8)
-    scale = np.empty((data.shape[0], 1), dtype=np.float32)
-    band = max(1, BAND_FLOATS // cols)
+    out = np.empty((data.shape[0], cols // BLOCK * BLOCK_BYTES[kind]), dtype=np.uint8)
+    band = max(1, _BAND_FLOATS // cols)
     for r0 in range(0, data.shape[0], band):
         rows = gguf.quants.dequantize(data[r0 : r0 + band], t.tensor_type)
-        qs, ss = quantize_rows(torch.from_numpy(np.asarray(rows, dtype=np.float32)))
-        q[r0 : r0 + band], scale[r0 : r0 + band, 0] = qs.numpy(), ss.numpy()
-    return q.reshape(*lead, cols), scale.reshape(*lead, 1)
+        values = torch.from_numpy(np.asarray(rows, dtype=np.float32))
+        out[r0 : r0 + band] = quantize_q8_0(values).numpy()
+    return kind, out
 
 
 def _lookup(names: TensorNames, name: str) -> tuple[int | None, GgufTensor]:

@@ -1,8 +1,8 @@
 """Find a model's files: the default model, a Hugging Face folder, or a GGUF file.
 
 A GGUF file is converted once into a folder of safetensors + config + tokenizer under
-``$INLINELM_CACHE`` (or ``~/.cache/inlinelm``), keyed by the file's hash (float32, or int8
-for an engine computing with int8 weights); later starts read that folder directly.
+``$INLINELM_CACHE`` (or ``~/.cache/inlinelm``), keyed by the file's hash (float32, or the
+file's blocks for an engine computing with block-quantized weights); later starts read that folder directly.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ _TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "ad
 # 5: config.json from the header's fields alone (not transformers' GGUF config reading).
 # 6: each tensor's stored GGUF type beside the weights (quantization.GGUF_TYPES_FILE).
 # 7: one safetensors shard per layer; an int8 conversion beside the float32 one.
-_FORMAT_VERSION = "7"
+# 8: the quantized conversion keeps GGUF blocks (Q8_0, Q4_0, Q4_1; other types as Q8_0).
+_FORMAT_VERSION = "8"
 
 # generation_config.json key -> SamplingParams field
 _GENERATION_KEYS = {
@@ -91,14 +92,14 @@ def default_model_path() -> Path:
     )
 
 
-def resolve_model(model: str, *, int8: bool = False) -> ModelFiles:
+def resolve_model(model: str, *, quantized: bool = False) -> ModelFiles:
     """Turn ``"default"``, a folder or a ``.gguf`` path into a folder of loadable files.
 
-    A GGUF file's folder holds float32 weights, or with ``int8`` its quantized matrices as
-    int8 (for an engine that computes with int8 weights: the next start reads them as
-    they are); each is converted on its first use."""
+    A GGUF file's folder holds float32 weights, or with ``quantized`` its quantized
+    matrices as blocks (for an engine that computes with block-quantized weights: the next
+    start reads them as they are); each is converted on its first use."""
     path = default_model_path() if model == "default" else check_model(model)
-    folder = _from_gguf(path, int8=int8) if path.suffix == ".gguf" else path
+    folder = _from_gguf(path, quantized=quantized) if path.suffix == ".gguf" else path
     return ModelFiles(folder, str(path), generation_defaults(folder))
 
 
@@ -111,7 +112,9 @@ def check_model(model: str) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         # NOTE: a file already converted passed these checks; reading the header again
         # takes seconds for a large vocabulary (gguf's reader parses every array).
-        if not any((_converted_folder(path, int8=i) / "DONE").is_file() for i in (False, True)):
+        if not any(
+            (_converted_folder(path, quantized=q) / "DONE").is_file() for q in (False, True)
+        ):
             from inlinelm.gpu.loading.gguf_header import check_gguf
 
             check_gguf(path)
@@ -294,10 +297,10 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _converted_folder(path: Path, *, int8: bool) -> Path:
-    """Where ``path``'s conversion (float32, or ``int8``) lives in the cache (it is there
-    once ``DONE`` is)."""
-    suffix = "-int8" if int8 else ""
+def _converted_folder(path: Path, *, quantized: bool) -> Path:
+    """Where ``path``'s conversion (float32, or ``quantized``) lives in the cache (it is
+    there once ``DONE`` is)."""
+    suffix = "-blocks" if quantized else ""
     return cache_root() / f"gguf-v{_FORMAT_VERSION}-{_cached_digest(path)}{suffix}"
 
 
@@ -314,10 +317,10 @@ def _cached_digest(path: Path) -> str:
 _DIGESTS: dict[tuple[str, int, int], str] = {}
 
 
-def _from_gguf(path: Path, *, int8: bool) -> Path:
+def _from_gguf(path: Path, *, quantized: bool) -> Path:
     """The folder ``path`` was converted into (converting it on first use). Processes that
     start on one file at once convert it once: the others wait on a lock beside the folder."""
-    folder = _converted_folder(path, int8=int8)
+    folder = _converted_folder(path, quantized=quantized)
     key = folder.name
     if (folder / "DONE").is_file():
         return folder
@@ -328,7 +331,7 @@ def _from_gguf(path: Path, *, int8: bool) -> Path:
         # NOTE: build in a temporary sibling and rename, so a crash never leaves half a cache.
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=folder.parent))
         try:
-            _convert_gguf(path, tmp, int8=int8)
+            _convert_gguf(path, tmp, quantized=quantized)
             (tmp / "DONE").write_text(str(path))
             if folder.exists():  # NOTE: left by a crash before DONE (an older format)
                 shutil.rmtree(folder)
@@ -339,14 +342,14 @@ def _from_gguf(path: Path, *, int8: bool) -> Path:
     return folder
 
 
-def _convert_gguf(path: Path, out: Path, *, int8: bool) -> None:
+def _convert_gguf(path: Path, out: Path, *, quantized: bool) -> None:
     from inlinelm.gpu.loading.gguf_convert import convert_gguf
 
     start = time.perf_counter()
     size_mib = path.stat().st_size / 2**20
-    kind = "int8" if int8 else "float32"
+    kind = "blocks" if quantized else "float32"
     logger.info("converting %s (%.1f MiB) to %s in %s, once", path.name, size_mib, kind, out.parent)
-    weight_map = convert_gguf(path, out, int8=int8)
+    weight_map = convert_gguf(path, out, quantized=quantized)
     index = {"metadata": {}, "weight_map": weight_map}
     (out / WEIGHT_INDEX).write_text(json.dumps(index, indent=1))
     logger.info("converted %s in %.1f s", path.name, time.perf_counter() - start)

@@ -1,13 +1,16 @@
-"""Which linear layers keep int8 weights (the ``quantization`` engine option).
+"""Which linear layers keep block-quantized weights, and in which kind (the
+``quantization`` engine option).
 
 A GGUF file's conversion records the type each tensor was stored in
-(:data:`GGUF_TYPES_FILE`, beside the float32 safetensors). With ``"auto"``, a linear layer
-runs int8 when every checkpoint weight it is made of was stored quantized (``Q8_0``,
-``Q4_K``, ...): the file's author chose a quantized model, and int8 reads a quarter of
-float32's bytes. A float checkpoint (or a GGUF's F32/F16/BF16 tensors) stays float.
-``"int8"`` quantizes every linear layer and the embedding; ``"none"`` none. The embedding
-follows the rule of a linear layer (a lookup reads its int8 rows times their scales), and
-the tied LM head is made of it, so it follows the embedding's type.
+(:data:`GGUF_TYPES_FILE`, beside the weights). With ``"auto"``, a linear layer runs
+quantized when every checkpoint weight it is made of was stored quantized (``Q4_1``,
+``Q4_K``, ...): the file's author chose a quantized model. It keeps the file's own blocks
+where the kernel computes them (``Q8_0``, ``Q4_0``, ``Q4_1``: :data:`KEPT_TYPES`; every
+source of the layer of that one type), and any other type as ``Q8_0`` blocks of its
+values. A float checkpoint (or a GGUF's F32/F16/BF16 tensors) stays float. ``"int8"``
+quantizes every linear layer and the embedding to ``Q8_0``; ``"none"`` none. The
+embedding follows the rule of a linear layer (a lookup dequantizes the rows it reads), and
+the tied LM head is made of it, so it follows the embedding's kind.
 """
 
 from __future__ import annotations
@@ -24,14 +27,13 @@ logger = logging.getLogger(__name__)
 GGUF_TYPES_FILE = "gguf_tensor_types.json"
 """``{checkpoint tensor name: GGUF type name}`` of a converted GGUF file."""
 
-INT8_SCALE = "_scale"
-"""An int8 checkpoint tensor ``W`` (``I8``, [out, in]: what a GGUF file's int8 conversion
-writes) comes with its float32 scales [out] as the tensor ``W + INT8_SCALE``: row ``i`` is
-``W[i] * scale[i]``."""
+BLOCKS_METADATA = "inlinelm.blocks"
+"""The safetensors metadata key of a shard holding block-quantized tensors: a JSON object
+``{tensor name: block kind}``. Such a tensor ``W`` is ``U8`` [out, in / 32 * block bytes]:
+its rows' GGUF blocks, as the engine computes with them."""
 
-GROUPED_TYPES = {"Q8_0": 32}
-"""GGUF types whose blocks are int8 values with one scale each, by their block size: kept as
-they are (int8 with a scale per group), where other types are quantized per row."""
+KEPT_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})
+"""GGUF types the kernel computes as they are stored (the others become ``Q8_0``)."""
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
@@ -51,22 +53,23 @@ def stored_types(folder: Path) -> dict[str, str]:
     return types
 
 
-def scale_groups(sources: list[str], types: Mapping[str, str], in_features: int) -> int:
-    """The scale groups per row of an int8 module made of ``sources``: a Q8_0 file's blocks
-    (``in_features / 32``) when every source is stored so, else 1 (a scale per row)."""
-    blocks = {GROUPED_TYPES.get(types.get(source, "F32")) for source in sources}
-    if len(blocks) != 1 or None in blocks:
-        return 1
-    block = blocks.pop()
-    assert block is not None
-    return in_features // block if in_features % block == 0 else 1
+def block_kind(gguf_type: str) -> str:
+    """The block kind a matrix stored as ``gguf_type`` is kept in."""
+    return gguf_type if gguf_type in KEPT_TYPES else "Q8_0"
 
 
-def int8_modules(
+def module_kind(sources: list[str], types: Mapping[str, str]) -> str:
+    """The block kind of a module made of ``sources``: their one kept type, else Q8_0 (a
+    fused module of two types computes in one)."""
+    kinds = {block_kind(types.get(source, "F32")) for source in sources}
+    return kinds.pop() if len(kinds) == 1 else "Q8_0"
+
+
+def quantized_modules(
     mode: str, linears: Iterable[str], sources: Mapping[str, list[str]], types: Mapping[str, str]
 ) -> list[str]:
-    """The linear modules (of ``linears``) that run int8 under ``mode``: ``sources`` gives
-    the checkpoint weights each module is made of, ``types`` their stored types."""
+    """The linear modules (of ``linears``) that run quantized under ``mode``: ``sources``
+    gives the checkpoint weights each module is made of, ``types`` their stored types."""
     if mode == "none":
         return []
     if mode == "int8":

@@ -19,17 +19,18 @@ import torch
 
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.attention.metadata import AttentionBackend
-from inlinelm.gpu.loading.int8_weights import (
-    Int8Plan,
-    Int8Rows,
+from inlinelm.gpu.loading.block_weights import (
+    BlockPlan,
+    BlockRows,
     allocate,
+    block_kinds,
+    blocks_of,
+    check_blocks,
     choose,
     fill,
-    int8_of,
-    read_scale,
 )
 from inlinelm.gpu.loading.model_files import weight_files
-from inlinelm.gpu.loading.quantization import INT8_SCALE, stored_types
+from inlinelm.gpu.loading.quantization import stored_types
 from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.kernels import Kernels
 from inlinelm.gpu.model.layers.linear import Linear, onednn_packing_available
@@ -67,10 +68,10 @@ def load_model(
 
     ``kernels`` defaults to :class:`~inlinelm.gpu.model.kernels.TorchKernels`.
     ``quantization`` (``"auto"``, ``"int8"`` or ``"none"``; a CPU's) picks the layers that
-    keep int8 weights (:func:`int8_plan`). Those never hold their float weights: each
-    checkpoint tensor is quantized as it is read (or copied, when the folder holds it as
-    int8 already: a GGUF file's int8 conversion), so the weights take their int8 bytes
-    plus one float tensor at a time.
+    keep block-quantized weights (:func:`block_plan`). Those never hold their float
+    weights: each checkpoint tensor is quantized as it is read (or packed as it is, when
+    the folder holds its blocks already: a GGUF file's quantized conversion), so the
+    weights take their quantized bytes plus one float tensor at a time.
 
     Raises ``ModelLoadError`` naming the file and tensor for unreadable or truncated
     files, shape mismatches, non-float tensors (both checked from the header, before the
@@ -81,18 +82,22 @@ def load_model(
     with torch.device("meta"):
         model = build_model(cfg, backend, 1, kernels)
     model = model.to(dtype=dtype)
-    int8 = int8_plan(model, cfg, folder, quantization)
-    allocate(model, int8, device)
+    plan = block_plan(model, cfg, folder, quantization)
+    allocate(model, plan, device)
     model = model.to_empty(device=device)
     model.set_max_positions(max_positions)
     params = _destinations(model)
     loaded = _load_files(folder, cfg, params)
     _check_complete(folder, cfg, params, loaded)
-    if cfg.tie_word_embeddings and not model.lm_head.is_int8:
+    if cfg.tie_word_embeddings and model.lm_head.blocks is None:
         model.lm_head.weight_t.data.copy_(model.embed_tokens.weight.data.t())
     linears = sum(isinstance(m, Linear) for m in model.modules())
+    kinds = sorted(set(plan.values()))
     logger.info(
-        "int8 weights in %d of %d linear layers", len(set(int8) - {"embed_tokens"}), linears
+        "quantized weights (%s) in %d of %d linear layers",
+        ", ".join(kinds) or "none",
+        len(set(plan) - {"embed_tokens"}),
+        linears,
     )
     if onednn_packing_available(device, dtype):
         _pack_for_onednn(model)
@@ -103,9 +108,9 @@ def load_model(
     return model.eval()
 
 
-def int8_plan(model: DecoderModel, cfg: ModelConfig, folder: Path, mode: str) -> Int8Plan:
-    """The :data:`~.int8_weights.Int8Plan` of ``model`` under ``mode`` for the checkpoint
-    in ``folder`` (:func:`~.int8_weights.choose`, from the GGUF types its tensors were
+def block_plan(model: DecoderModel, cfg: ModelConfig, folder: Path, mode: str) -> BlockPlan:
+    """The :data:`~.block_weights.BlockPlan` of ``model`` under ``mode`` for the checkpoint
+    in ``folder`` (:func:`~.block_weights.choose`, from the GGUF types its tensors were
     stored in)."""
     if mode == "none":
         return {}
@@ -121,24 +126,24 @@ def int8_plan(model: DecoderModel, cfg: ModelConfig, folder: Path, mode: str) ->
 def _pack_for_onednn(model: DecoderModel) -> None:
     """Pack every float linear layer for oneDNN; stop at the first that refuses."""
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and not module.is_int8 and not module.pack_for_onednn():
+        if isinstance(module, Linear) and module.blocks is None and not module.pack_for_onednn():
             logger.warning("oneDNN packing refused at %s: plain matmuls from there on", name)
             return
 
 
-def _destinations(model: DecoderModel) -> dict[str, torch.Tensor | Int8Rows]:
+def _destinations(model: DecoderModel) -> dict[str, torch.Tensor | BlockRows]:
     """Every loadable tensor under its checkpoint-style name, in the checkpoint's orientation
     (a ``Linear``'s transposed storage is exposed as a ``.weight`` view of shape [out, in],
-    an int8 module's weights as :class:`Int8Rows`; the experts of a sparse MLP by their
+    a quantized module's weights as :class:`BlockRows`; the experts of a sparse MLP by their
     per-expert names)."""
-    views: dict[str, torch.Tensor | Int8Rows] = {}
+    views: dict[str, torch.Tensor | BlockRows] = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        int8 = int8_of(module)
+        blocks = blocks_of(module)
         if isinstance(module, SparseMoE):
             views.update({f"{prefix}{k}": v for k, v in module.expert_weights().items()})
-        elif int8 is not None:
-            views[f"{prefix}weight"] = Int8Rows(*int8)
+        elif blocks is not None:
+            views[f"{prefix}weight"] = BlockRows(blocks, 0, blocks.rows)
             if isinstance(module, Linear) and module.bias is not None:
                 views[f"{prefix}bias"] = module.bias.data
         elif isinstance(module, Linear):
@@ -152,7 +157,7 @@ def _destinations(model: DecoderModel) -> dict[str, torch.Tensor | Int8Rows]:
 
 
 def _load_files(
-    folder: Path, cfg: ModelConfig, params: dict[str, torch.Tensor | Int8Rows]
+    folder: Path, cfg: ModelConfig, params: dict[str, torch.Tensor | BlockRows]
 ) -> set[_Target]:
     from safetensors import SafetensorError
 
@@ -184,38 +189,32 @@ def _load_files(
 def _load_file(
     path: Path,
     cfg: ModelConfig,
-    params: dict[str, torch.Tensor | Int8Rows],
+    params: dict[str, torch.Tensor | BlockRows],
     loaded: set[_Target],
     bar: Any,
 ) -> int:
     """Copy the tensors of one file into ``params`` (adding them to ``loaded``), advancing
     ``bar`` by each tensor's bytes; returns the bytes counted. Each tensor's dtype and
-    shape are checked from the header before its data is read. An int8 tensor (``I8``) is
-    read with its scales, the float32 tensor of the same name plus ``_scale``."""
+    shape are checked from the header before its data is read. A ``U8`` tensor is a
+    weight's GGUF blocks, of the kind the shard's metadata names
+    (:func:`~.block_weights.block_kinds`)."""
     from safetensors import safe_open
 
     num_bytes = 0
     with safe_open(str(path), framework="pt") as f:
-        names = set(f.keys())
+        kinds = block_kinds(f.metadata(), path)
         for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-            if name.endswith(INT8_SCALE) and name.removesuffix(INT8_SCALE) in names:
-                continue  # read with its weight
             target = _target(name, cfg)
             if target is None:
                 continue
             header = f.get_slice(name)
             dest = _destination(target, params, cfg, path, name)
             shape = tuple(header.get_shape())
-            _check_header(header.get_dtype(), shape, dest, path, name, name + INT8_SCALE in names)
-            scale = None
-            if header.get_dtype() == "I8":
-                scale = read_scale(f, names, name, shape, path)
+            _check_header(header.get_dtype(), shape, dest, path, name, kinds.get(name))
             tensor = f.get_tensor(name)
-            fill(dest, tensor, scale)
+            fill(dest, tensor, kinds.get(name) if header.get_dtype() == "U8" else None)
             loaded.add(target)
-            size = tensor.numel() * tensor.element_size() + (
-                0 if scale is None else scale.numel() * 4
-            )
+            size = tensor.numel() * tensor.element_size()
             bar.update(size)
             num_bytes += size
     return num_bytes
@@ -269,11 +268,11 @@ def _rows(target: _Target, cfg: ModelConfig) -> tuple[int, int] | None:
 
 def _destination(
     target: _Target,
-    params: dict[str, torch.Tensor | Int8Rows],
+    params: dict[str, torch.Tensor | BlockRows],
     cfg: ModelConfig,
     path: Path,
     name: str,
-) -> torch.Tensor | Int8Rows:
+) -> torch.Tensor | BlockRows:
     """The parameter (or the rows of a fused one) a checkpoint tensor is copied into."""
     if target.param not in params:
         raise ModelLoadError(
@@ -287,17 +286,20 @@ def _destination(
 def _check_header(
     dtype: str,
     shape: tuple[int, ...],
-    dest: torch.Tensor | Int8Rows,
+    dest: torch.Tensor | BlockRows,
     path: Path,
     name: str,
-    has_scale: bool,
+    kind: str | None,
 ) -> None:
-    """A checkpoint tensor's header entry against the parameter it fills (int8 only with
-    its scales: they are checked with it)."""
-    if dtype not in _FLOAT_DTYPES and not (dtype == "I8" and has_scale):
+    """A checkpoint tensor's header entry against the parameter it fills (a ``U8`` tensor:
+    blocks of its ``kind``, for a weight matrix)."""
+    if dtype == "U8" and len(dest.shape) == 2:
+        check_blocks(kind, shape, (dest.shape[0], dest.shape[1]), path, name)
+        return
+    if dtype not in _FLOAT_DTYPES:
         raise ModelLoadError(
-            f"unsupported weight dtype {dtype} (supported: {', '.join(_FLOAT_DTYPES)}, and I8 "
-            f"with its float32 scales as {name}{INT8_SCALE})",
+            f"unsupported weight dtype {dtype} (supported: {', '.join(_FLOAT_DTYPES)}, and "
+            "U8 for a weight matrix's GGUF blocks)",
             path=str(path),
             field=name,
         )
@@ -312,7 +314,7 @@ def _check_header(
 def _check_complete(
     folder: Path,
     cfg: ModelConfig,
-    params: dict[str, torch.Tensor | Int8Rows],
+    params: dict[str, torch.Tensor | BlockRows],
     loaded: set[_Target],
 ) -> None:
     # NOTE: a fused parameter is complete from its shards or from one fused tensor.

@@ -1,6 +1,7 @@
-"""inlinelm's CPU extension: the C++ operators in ``csrc/`` (the int8 linear layer, and the
-fused float32 RMSNorm, RoPE, gated activations, KV write and paged decode attention),
-compiled for this machine's instructions at first use with torch's C++ extension build.
+"""inlinelm's CPU extension: the C++ operators in ``csrc/`` (the block-quantized linear
+layer, and the fused float32 RMSNorm, RoPE, gated activations, KV write and paged decode
+attention), compiled for this machine's instructions at first use with torch's C++
+extension build.
 
 Built once per machine, torch version and source: where torch keeps its extensions
 (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``). Processes starting at once
@@ -24,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("int8_linear.cpp", "cpu_ops.cpp", "bindings.cpp")
+SOURCES = ("block_linear.cpp", "cpu_ops.cpp", "bindings.cpp")
 HEADERS = ("ops.h", "vec.h")
 
 STALE_LOCK_S = 600.0
@@ -54,7 +55,15 @@ def cpu_extension() -> Any:
             # NOTE: -fopenmp, or at::parallel_for (inline OpenMP) runs on one thread; the
             # libgomp.so.1 it links is the one torch already loaded (same soname). torch
             # rebuilds when a source's contents change, not a header's: their hash is a flag.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DINLINELM_HEADERS={_headers()}"],
+            # -ffp-contract=off: a multiply and an add stay two roundings unless the code
+            # says std::fma, so the plain loops compute what the vector ones do, to the bit.
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-fopenmp",
+                "-ffp-contract=off",
+                f"-DINLINELM_HEADERS={_headers()}",
+            ],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -1,7 +1,7 @@
 // The extension's Python module: every operator ops.h declares.
 //
-// A call that may run for milliseconds (the int8 matmul of a prefill chunk, dequantizing
-// weight rows) runs without the GIL, as torch's own ops do, so the event loop's thread
+// A call that may run for milliseconds (the quantized matmul of a prefill chunk, packing or
+// dequantizing weight rows) runs without the GIL, as torch's own ops do, so the event loop's thread
 // streams meanwhile; none of them touches a Python object. The rest keep it: a decode
 // step makes ~250 of these calls of a few microseconds each, and releasing the GIL around
 // each cost the default model ~1 ms per step at batch 1 (9.6 against 8.2-8.7 ms per token,
@@ -10,23 +10,27 @@
 
 namespace {
 
-constexpr int64_t kHoldGilRows = 32;  // int8_linear calls of at most this many rows keep it
+constexpr int64_t kHoldGilRows = 32;  // block_linear calls of at most this many rows keep it
 
-torch::Tensor int8_linear_gil(const torch::Tensor& x, const torch::Tensor& q,
-                              const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
-                              int64_t few_rows_max) {
-  if (x.dim() == 2 && x.size(0) <= kHoldGilRows) return int8_linear(x, q, scale, bias, few_rows_max);
+torch::Tensor block_linear_gil(const torch::Tensor& x, const torch::Tensor& data, int64_t kind,
+                               int64_t rows, int64_t cols,
+                               const c10::optional<torch::Tensor>& bias, bool plain) {
+  if (x.dim() == 2 && x.size(0) <= kHoldGilRows)
+    return block_linear(x, data, kind, rows, cols, bias, plain);
   pybind11::gil_scoped_release release;
-  return int8_linear(x, q, scale, bias, few_rows_max);
+  return block_linear(x, data, kind, rows, cols, bias, plain);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("int8_linear", &int8_linear_gil, "float x times int8 weights with per-row scales");
-  m.def("dequantize_rows", &dequantize_rows, "rows [n0, n1) of q * scale[:, None] as floats",
+  m.def("block_vnni", &block_vnni, "whether block_linear runs AVX-512 VNNI here");
+  m.def("block_packed_bytes", &block_packed_bytes, "bytes of a [rows, cols] matrix's tiles");
+  m.def("block_pack", &block_pack, "GGUF blocks of rows [row0, row0 + n) into the tiles",
         release());
+  m.def("block_rows", &block_rows, "rows ids of the tiles, dequantized to float32", release());
+  m.def("block_linear", &block_linear_gil, "x @ W.T (+ bias), W block-quantized in tiles");
   m.def("rms_norm", &rms_norm, "x / rms(x) * (offset + weight) over rows of [A, B, D]");
   m.def("add_rms_norm", &add_rms_norm, "in place: residual += x, then x = rms_norm(residual)");
   m.def("rope", &rope, "in place neox RoPE of qk [T, H, D] over the table's width");

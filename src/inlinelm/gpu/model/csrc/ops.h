@@ -1,17 +1,22 @@
 // The CPU operators of inlinelm's extension (built at first use for this machine; see
-// inlinelm/gpu/model/cpu_extension.py): the int8 linear layer and the fused float32
-// kernels of a decoder step. Every float tensor is float32; shapes and strides are
+// inlinelm/gpu/model/cpu_extension.py): the block-quantized linear layer and the fused
+// float32 kernels of a decoder step. Every float tensor is float32; shapes and strides are
 // checked on entry, so a bad call is a Python RuntimeError, never a bad read.
 #pragma once
 
 #include <torch/extension.h>
 
-// int8_linear.cpp
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
-                          const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias,
-                          int64_t few_rows_max);
-torch::Tensor dequantize_rows(const torch::Tensor& q, const torch::Tensor& scale, int64_t n0,
-                              int64_t n1);
+// block_linear.cpp: block-quantized weights (kind 0 Q8_0, 1 Q4_0, 2 Q4_1), packed in the
+// kernel's tiles (a flat uint8 tensor of block_packed_bytes)
+bool block_vnni();
+int64_t block_packed_bytes(int64_t kind, int64_t rows, int64_t cols);
+void block_pack(torch::Tensor& data, int64_t kind, int64_t rows, int64_t cols, int64_t row0,
+                const torch::Tensor& blocks);
+torch::Tensor block_rows(const torch::Tensor& data, int64_t kind, int64_t rows, int64_t cols,
+                         const torch::Tensor& ids);
+torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& data, int64_t kind,
+                           int64_t rows, int64_t cols, const c10::optional<torch::Tensor>& bias,
+                           bool plain);
 
 // cpu_ops.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,

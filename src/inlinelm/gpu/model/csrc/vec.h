@@ -14,9 +14,6 @@ namespace inlinelm {
 #define INLINELM_VEC 1
 constexpr int64_t kLanes = 16;
 using Vec = __m512;
-inline Vec widen(const int8_t* w) {  // 16 int8 weights as floats
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-}
 inline Vec load(const float* x) { return _mm512_loadu_ps(x); }
 inline void store(float* x, Vec v) { _mm512_storeu_ps(x, v); }
 inline Vec splat(float a) { return _mm512_set1_ps(a); }
@@ -35,9 +32,6 @@ inline Vec times_pow2(Vec y, Vec n) { return _mm512_scalef_ps(y, n); }  // y * 2
 #define INLINELM_VEC 1
 constexpr int64_t kLanes = 8;
 using Vec = __m256;
-inline Vec widen(const int8_t* w) {  // 8 int8 weights as floats
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
-}
 inline Vec load(const float* x) { return _mm256_loadu_ps(x); }
 inline void store(float* x, Vec v) { _mm256_storeu_ps(x, v); }
 inline Vec splat(float a) { return _mm256_set1_ps(a); }

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from inlinelm.gpu.model.cpu_extension import cpu_extension
-from inlinelm.gpu.model.layers.int8 import int8_matmul, quantize_rows
+from inlinelm.gpu.model.layers.blocks import BlockWeight, can_quantize, quantize_q8_0
 
 
 class Linear(nn.Module):
@@ -28,36 +28,32 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._packed: torch.Tensor | None = None
-        # int8 weights [out, in] and one float32 scale per output channel (quantize_int8)
-        self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._blocks: BlockWeight | None = None
 
     @property
-    def is_int8(self) -> bool:
-        return self._int8 is not None
+    def blocks(self) -> BlockWeight | None:
+        """The block-quantized weights, or None for float weights."""
+        return self._blocks
 
-    @property
-    def int8(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The int8 weights [out, in] and their scales [out], or None for float weights."""
-        return self._int8
-
-    def quantize_int8(self) -> bool:
-        """Keep the weight only as int8, one scale per output channel, on a CPU (after
-        loading; not reversible); the inputs stay float (:mod:`.int8` says why and
-        measures it). False, and the layer stays float, where the kernel did not build."""
-        if cpu_extension() is None:
+    def quantize(self) -> bool:
+        """Keep the weight only as Q8_0 blocks, on a CPU (after loading; not reversible).
+        False, and the layer stays float, where the kernel did not build or the rows do
+        not split into blocks."""
+        in_features, out_features = self.weight_t.shape
+        if cpu_extension() is None or not can_quantize(in_features):
             return False
-        self.use_int8(*quantize_rows(self.weight_t.data.t()))
+        weight = BlockWeight.empty("Q8_0", out_features, in_features, self.weight_t.device)
+        weight.pack(0, quantize_q8_0(self.weight_t.data.t()))
+        self.use_blocks(weight)
         return True
 
-    def use_int8(self, q: torch.Tensor, scale: torch.Tensor) -> None:
-        """Compute with int8 weights ``q`` [out, in] and their float32 ``scale`` ([out], or
-        [out, groups] for a scale per group of a row's weights) (a
-        loader fills them in place, row by row, or shares another module's: the tied LM
-        head reads the embedding's); the float weight is dropped. Only where
-        ``cpu_extension()`` built."""
+    def use_blocks(self, weight: BlockWeight) -> None:
+        """Compute with block-quantized ``weight`` [out, in] (a loader fills it, row ranges
+        at a time, or shares another module's: the tied LM head reads the embedding's);
+        the float weight is dropped. Only where ``cpu_extension()`` built."""
         in_features, out_features = self.weight_t.shape
-        assert tuple(q.shape) == (out_features, in_features) and q.dtype == torch.int8
-        self._int8 = (q, scale)
+        assert weight.shape == (out_features, in_features)
+        self._blocks = weight
         self._packed = None
         self.weight_t.data = torch.empty(0, dtype=self.weight_t.dtype, device=self.weight_t.device)
         if self.bias is not None:
@@ -87,8 +83,8 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._int8 is not None:
-            return int8_matmul(x, *self._int8, self.bias)
+        if self._blocks is not None:
+            return self._blocks.matmul(x, self.bias)
         if self._packed is not None:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
                 x, self._packed, self.bias, "none", [], ""

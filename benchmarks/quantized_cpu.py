@@ -1,10 +1,12 @@
-"""Int8 weights on this CPU: the default model with ``quantization="auto"`` (int8, what its
-Q4_1 GGUF file selects) against ``"none"`` (float32 weights), side by side in one run.
+"""Block-quantized weights on this CPU: the default model with ``quantization="auto"`` (its
+Q4_1 GGUF file's own blocks, the embedding and tied head Q8_0) against ``"none"`` (float32
+weights), side by side in one run.
 
 (a) the linear layers of one decode step (every matmul shape of the default model, timed
     alone, summed over a step's 121 calls) at 1, 32 and 256 rows: oneDNN's packed float32
-    (the float path), our int8 kernel, and for reference torch's fbgemm int8 linear (int8
-    activations too, which cost the agreement the quality test measures);
+    (the float path), our block kernel with the model's kinds and with Q8_0 throughout,
+    and for reference torch's fbgemm int8 linear (per-channel int8 weights, the input on
+    one scale per call);
 (b) one request, 64 new tokens: ms per token, the two engines alternately, three times each
     (each engine in a process of its own);
 (c) 32 requests with mixed prompts, 64 new tokens each, all at once: tokens/s, TTFT p50;
@@ -38,15 +40,31 @@ per layer (30 layers), and the tied LM head."""
 MODES = ("none", "auto")
 
 
-def _kernel(name: str, weight: torch.Tensor, x: torch.Tensor) -> Any:
-    from inlinelm.gpu.model.layers.int8 import int8_matmul, quantize_rows
+OURS = "ours, the model's kinds"
+KERNELS = ["float32 oneDNN", OURS, "ours, Q8_0", "fbgemm int8"]
 
+
+def _blocks(weight: torch.Tensor, kind: str) -> Any:
+    import gguf
+
+    from inlinelm.gpu.model.layers.blocks import BlockWeight
+
+    raw = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[kind])
+    blocks = BlockWeight.empty(kind, *weight.shape, torch.device("cpu"))
+    blocks.pack(0, torch.from_numpy(raw.copy()))
+    return blocks
+
+
+def _kernel(name: str, weight: torch.Tensor, x: torch.Tensor) -> Any:
     if name == "float32 oneDNN":
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
         return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    q, scale = quantize_rows(weight)
-    if name == "int8 (ours)":
-        return lambda: int8_matmul(x, q, scale, None)
+    if name.startswith("ours"):
+        # NOTE: the model's kinds: Q4_1 layers, the tied LM head (the vocabulary's rows) Q8_0
+        q4 = name == OURS and weight.shape[0] != SHAPES[-1][0]
+        blocks = _blocks(weight, "Q4_1" if q4 else "Q8_0")
+        return lambda: blocks.matmul(x, None)
+    scale = weight.abs().amax(dim=1) / 127
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zero = torch.zeros(weight.shape[0], dtype=torch.int64)
@@ -57,7 +75,7 @@ def _kernel(name: str, weight: torch.Tensor, x: torch.Tensor) -> Any:
 
 def kernels(rows: list[int], repeats: int = 7) -> dict[str, dict[str, float]]:
     """(a): ms per step of each kernel at each row count, medians of interleaved runs."""
-    names = ["float32 oneDNN", "int8 (ours)", "fbgemm int8 (int8 activations)"]
+    names = KERNELS
     out: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
         for m in rows:
@@ -190,7 +208,7 @@ def main() -> None:
     folder = resolve_model("default").folder
     prompts = make_prompts(AutoTokenizer.from_pretrained(str(folder)), args.requests, 500)
     print(
-        f"int8_cpu: torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"quantized_cpu: torch {torch.__version__}, {torch.get_num_threads()} threads; "
         f"load average {load_average()}",
         flush=True,
     )
@@ -200,14 +218,14 @@ def main() -> None:
     report["load_average"] = load_average()
     print("\n(a) linear layers of one step, ms (medians of interleaved runs)")
     names = list(next(iter(report["kernels_ms_per_step"].values())))
-    print("| rows | " + " | ".join(names) + " | float32 / int8 |")
+    print("| rows | " + " | ".join(names) + " | float32 / ours |")
     print("|---" * (len(names) + 2) + "|")
     for rows, row in report["kernels_ms_per_step"].items():
-        ratio = row["float32 oneDNN"] / row["int8 (ours)"]
+        ratio = row["float32 oneDNN"] / row[OURS]
         print(f"| {rows} | " + " | ".join(f"{row[n]:.1f}" for n in names) + f" | {ratio:.2f} |")
     e = report["engines"]
-    print("\n(b)-(d) the default model, float32 weights against int8")
-    print("| | float32 (`none`) | int8 (`auto`) | ratio |")
+    print("\n(b)-(d) the default model, float32 weights against its blocks")
+    print("| | float32 (`none`) | Q4_1 blocks (`auto`) | ratio |")
     print("|---|---|---|---|")
     for key, label, better_low in (
         ("single", "one request: ms per token", True),

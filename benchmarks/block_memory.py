@@ -1,13 +1,16 @@
-"""Int8 weights kept int8 from a GGUF file to the model (issue 24, items 1 and 4): memory
-and start times, each load in a fresh process (``tests/gpu/loading/memory_probe.py``).
+"""Quantized weights kept in their blocks from a GGUF file to the model (issue 24, items 1
+and 4): memory and start times, each load in a fresh process
+(``tests/gpu/loading/memory_probe.py``).
 
 Rows:
 - the default model (a Q4_1 file): its first start (converting the file) and its second
-  (reading the conversion) with ``quantization="auto"`` (int8) and ``"none"`` (float32),
+  (reading the conversion) with ``quantization="auto"`` (its blocks) and ``"none"``
+  (float32),
   each from an empty cache, side by side in one run;
 - a Qwen2.5-1.5B-shaped file (Q8_0) and a Qwen2.5-7B-shaped one (Q4_0), random blocks
-  written with the ``gguf`` package: the weights' bytes, the process's anonymous memory
-  after loading against them (issue 24's bound: 1.15x) and its peak while loading; for
+  written with the ``gguf`` package, both kept in their own blocks: the weights' bytes
+  against the file's, the process's anonymous memory after loading against them (issue
+  24's bound: 1.15x) and its peak while loading; for
   the 7B shape also the memory check's answer for float32 weights.
 
 Prints a table and writes ``--json PATH``.
@@ -28,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' GGUF 
 import gguf
 from tests.gpu.loading.gguf_writer import write_random_gguf
 from tests.gpu.loading.memory_probe import run_probe
-from tests.gpu.loading.test_int8_memory import BOUND, QWEN2_1_5B
+from tests.gpu.loading.test_block_memory import BOUND, QWEN2_1_5B
 
 from _common import load_average, write_json
 
@@ -50,8 +53,8 @@ MIB = 2**20
 
 
 def default_model(root: Path) -> dict[str, Any]:
-    """First and second start of the default model, int8 and float32, each from a cache of
-    its own."""
+    """First and second start of the default model, quantized and float32, each from a
+    cache of its own."""
     from inlinelm.gpu.loading.model_files import default_model_path
 
     path = default_model_path()
@@ -75,7 +78,7 @@ def float32_refusal(path: Path, cache: Path) -> str:
     from inlinelm.gpu.model_fit import check_model_fits
 
     os.environ["INLINELM_CACHE"] = str(cache)
-    folder = resolve_model(str(path), int8=True).folder  # NOTE: its config is the same
+    folder = resolve_model(str(path), quantized=True).folder  # NOTE: its config is the same
     try:
         check_model_fits(EngineConfig(model=str(path), quantization="none"), folder)
     except ModelLoadError as e:
@@ -91,7 +94,7 @@ def main() -> None:
     from inlinelm.gpu.loading.model_files import resolve_model
 
     tokenizer = resolve_model("default").folder
-    root = Path(tempfile.mkdtemp(prefix="int8-memory-"))
+    root = Path(tempfile.mkdtemp(prefix="block-memory-"))
     report: dict[str, Any] = {"load_average_before": load_average()}
     try:
         report["default"] = default_model(root)
@@ -119,7 +122,7 @@ def main() -> None:
 
 def _print(report: dict[str, Any]) -> None:
     print(f"load average {report['load_average_before']} -> {report['load_average_after']}")
-    print("\n| default model | int8 (auto) | float32 (none) |")
+    print("\n| default model | its blocks (auto) | float32 (none) |")
     print("|---|---|---|")
     q, f = report["default"]["auto"], report["default"]["none"]
     print(
@@ -138,7 +141,7 @@ def _print(report: dict[str, Any]) -> None:
         f"| anonymous memory growth, MiB | {q['second']['anon_growth'] / MIB:.0f} | {f['second']['anon_growth'] / MIB:.0f} |"
     )
     print(
-        f"\n| shaped file | file MiB | int8 weights MiB | float32 would be MiB | convert s | load s (2nd) | anon growth / weights (bound {BOUND}) | peak growth / weights |"
+        f"\n| shaped file | file MiB | weights MiB | float32 would be MiB | convert s | load s (2nd) | anon growth / weights (bound {BOUND}) | peak growth / weights |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, row in report["shaped"].items():

@@ -46,7 +46,7 @@ def runner(quantization: str, fused: bool) -> ModelRunner:
     config = EngineConfig(
         max_num_batched_tokens=2048, num_kv_blocks=1024, quantization=quantization
     )
-    folder = resolve_model("default").folder
+    folder = resolve_model("default", quantized=quantization != "none").folder
     if fused:
         made = ModelRunner(config, folder)
         assert made.cpu_ops is not None, "the CPU extension did not build"

@@ -66,7 +66,7 @@ def main() -> None:
         config = EngineConfig(
             max_num_batched_tokens=2048, num_kv_blocks=1024, quantization=mode, dtype=dtype
         )
-        runner = ModelRunner(config, resolve_model("default").folder)
+        runner = ModelRunner(config, resolve_model("default", quantized=mode != "none").folder)
         runner.warmup()
         rows += [
             {"weights": weights, "quantization": mode, "dtype": dtype}

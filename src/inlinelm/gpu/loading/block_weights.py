@@ -40,14 +40,19 @@ and the block kind of each (``"Q4_1"``, ...)."""
 
 
 def choose(
-    model: DecoderModel, mode: str, sources: Mapping[str, list[str]], types: Mapping[str, str]
+    model: DecoderModel,
+    mode: str,
+    sources: Mapping[str, list[str]],
+    types: Mapping[str, str],
+    blocks: Mapping[str, str],
 ) -> BlockPlan:
     """The modules of ``model`` that keep block-quantized weights under ``mode``
     (:func:`~inlinelm.gpu.loading.quantization.quantized_modules`: ``sources`` names the
     checkpoint weights of each module, ``types`` their stored GGUF types) and their kinds
-    (:func:`~inlinelm.gpu.loading.quantization.module_kind`); none where the CPU kernel did
-    not build, and no module whose rows do not split into blocks. A tied LM head is made of
-    the embedding: the two are quantized together, and share one copy."""
+    (:func:`~inlinelm.gpu.loading.quantization.module_kind` of the checkpoint's
+    ``blocks``); none where the CPU kernel did not build, and no module whose rows do not
+    split into blocks. A tied LM head is made of the embedding: the two are quantized
+    together, and share one copy."""
     if mode == "none":
         return {}
     if cpu_extension() is None:
@@ -68,7 +73,7 @@ def choose(
     # NOTE: both are hidden_size wide, so one chosen means both can be
     if cfg.tie_word_embeddings and ("lm_head" in chosen) != ("embed_tokens" in chosen):
         chosen |= {"lm_head", "embed_tokens"}
-    return {name: module_kind(sources.get(name, []), types) for name in sorted(chosen)}
+    return {name: module_kind(sources.get(name, []), blocks) for name in sorted(chosen)}
 
 
 def allocate(model: DecoderModel, plan: BlockPlan, device: torch.device) -> None:
@@ -115,12 +120,8 @@ def fill(dest: torch.Tensor | BlockRows, tensor: torch.Tensor, kind: str | None)
         dest.copy_(tensor if kind is None else dequantize_blocks(tensor, kind))
         return
     if kind != dest.weight.kind:
-        if dest.weight.kind != "Q8_0":
-            raise ModelLoadError(
-                f"a {dest.weight.kind} module is filled from its own blocks, not from "
-                f"{kind or 'float'} weights (the checkpoint's recorded types say "
-                f"{dest.weight.kind}: load the GGUF file's quantized conversion)"
-            )
+        # NOTE: the plan gives a module a Q4 kind only where all its sources hold it
+        assert dest.weight.kind == "Q8_0", "a Q4 module is filled from its own blocks"
         values = tensor if kind is None else dequantize_blocks(tensor, kind)
         tensor = quantize_q8_0(values)
     dest.weight.pack(dest.start, tensor)
@@ -130,6 +131,21 @@ def blocks_of(module: torch.nn.Module) -> BlockWeight | None:
     if isinstance(module, Linear | Embedding):
         return module.blocks
     return None
+
+
+def stored_blocks(files: list[Path]) -> dict[str, str]:
+    """The block kind of each block-quantized tensor of a checkpoint's ``files`` (from
+    their headers alone)."""
+    from safetensors import SafetensorError, safe_open
+
+    kinds: dict[str, str] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                kinds.update(block_kinds(f.metadata(), path))
+        except (SafetensorError, OSError) as e:  # NOTE: the boundary of the file read
+            raise ModelLoadError(f"unreadable safetensors header ({e})", path=str(path)) from e
+    return kinds
 
 
 def block_kinds(metadata: Mapping[str, str] | None, path: Path) -> dict[str, str]:

@@ -4,10 +4,10 @@
 A GGUF file's conversion records the type each tensor was stored in
 (:data:`GGUF_TYPES_FILE`, beside the weights). With ``"auto"``, a linear layer runs
 quantized when every checkpoint weight it is made of was stored quantized (``Q4_1``,
-``Q4_K``, ...): the file's author chose a quantized model. It keeps the file's own blocks
-where the kernel computes them (``Q8_0``, ``Q4_0``, ``Q4_1``: :data:`KEPT_TYPES`; every
-source of the layer of that one type), and any other type as ``Q8_0`` blocks of its
-values. A float checkpoint (or a GGUF's F32/F16/BF16 tensors) stays float. ``"int8"``
+``Q4_K``, ...): the file's author chose a quantized model. It keeps the blocks its
+checkpoint holds (the quantized conversion keeps the file's own where the kernel computes
+them, ``Q8_0``, ``Q4_0``, ``Q4_1``: :data:`KEPT_TYPES`, and any other type as ``Q8_0``
+blocks of its values), and quantizes float tensors to ``Q8_0``. A float checkpoint (or a GGUF's F32/F16/BF16 tensors) stays float. ``"int8"``
 quantizes every linear layer and the embedding to ``Q8_0``; ``"none"`` none. The
 embedding follows the rule of a linear layer (a lookup dequantizes the rows it reads), and
 the tied LM head is made of it, so it follows the embedding's kind.
@@ -58,10 +58,11 @@ def block_kind(gguf_type: str) -> str:
     return gguf_type if gguf_type in KEPT_TYPES else "Q8_0"
 
 
-def module_kind(sources: list[str], types: Mapping[str, str]) -> str:
-    """The block kind of a module made of ``sources``: their one kept type, else Q8_0 (a
-    fused module of two types computes in one)."""
-    kinds = {block_kind(types.get(source, "F32")) for source in sources}
+def module_kind(sources: list[str], blocks: Mapping[str, str]) -> str:
+    """The block kind of a module made of ``sources``, given the kinds of the checkpoint
+    tensors held as blocks (``blocks``): their one kind, else Q8_0 (a fused module of two
+    kinds computes in one, and float sources are quantized to it)."""
+    kinds = {blocks.get(source, "Q8_0") for source in sources}
     return kinds.pop() if len(kinds) == 1 else "Q8_0"
 
 

@@ -28,6 +28,7 @@ from inlinelm.gpu.loading.block_weights import (
     check_blocks,
     choose,
     fill,
+    stored_blocks,
 )
 from inlinelm.gpu.loading.model_files import weight_files
 from inlinelm.gpu.loading.quantization import stored_types
@@ -111,16 +112,18 @@ def load_model(
 def block_plan(model: DecoderModel, cfg: ModelConfig, folder: Path, mode: str) -> BlockPlan:
     """The :data:`~.block_weights.BlockPlan` of ``model`` under ``mode`` for the checkpoint
     in ``folder`` (:func:`~.block_weights.choose`, from the GGUF types its tensors were
-    stored in)."""
+    stored in and the blocks it holds)."""
     if mode == "none":
         return {}
-    types = stored_types(folder)
+    blocks = stored_blocks(weight_files(folder))
+    # NOTE: a tensor held as blocks was stored quantized, whatever the types file says
+    types = {**blocks, **stored_types(folder)}
     sources: dict[str, list[str]] = {}
     for name in types:
         target = _target(name, cfg)
         if target is not None and target.param.endswith(".weight"):
             sources.setdefault(target.param.removesuffix(".weight"), []).append(name)
-    return choose(model, mode, sources, types)
+    return choose(model, mode, sources, types, blocks)
 
 
 def _pack_for_onednn(model: DecoderModel) -> None:

@@ -1,33 +1,26 @@
 // Block-quantized weights and y = x @ W.T (+ bias) with them: GGUF's Q8_0, Q4_0 and Q4_1,
-// 32 weights a block with float16 scales, as llama.cpp computes them. The activations are
-// quantized per block of 32 to int8 (x ~ xd * xq, a float scale each), and each block's dot
-// product is exact integer arithmetic; only the scales are floats:
+// 32 weights a block with float16 scales. The activations are rounded per block of 32 to
+// 16 bits, as two int8 planes (x ~ xd * (256 xh + xl)), and each block's dot product is
+// exact integer arithmetic, one plane at a time; only the scales are floats:
 //   Q8_0  w = d * q,        q in [-127, 127]   sum_k w x = d * xd * sum q xq
 //   Q4_0  w = d * (q - 8),  q in [0, 15]       d * xd * (sum q xq - 8 sum xq)
 //   Q4_1  w = d * q + m,    q in [0, 15]       d * xd * sum q xq + m * xd * sum xq
-// Q4_1's m multiplies the quantized sum, not the exact one: the rounding errors of a block
-// then meet the weights w = d q + m, which are centred, not d q, which are not (m ~ -8 d):
-// the exact sum tripled the error of the default model's projections.
+// with xq = 256 xh + xl. Q4_1's m multiplies the rounded sum, not the exact one: the
+// rounding errors of a block then meet the weights w = d q + m, which are centred, not d q,
+// which are not (m ~ -8 d).
 //
-// The weights live in tiles of 16 rows x 32 columns (one block of each of 16 rows), tile
-// (t, g) at byte (t * G + g) * tile_bytes, rows padded to a multiple of 16 with zeros:
-//   [16 float16 d][16 float16 m, Q4_1 only][weights]
-// Q8_0's weights are 8 quads: quad c holds, for row lane j, the 4 bytes q[4c .. 4c+3] + 128
-// (unsigned: AVX-512 VNNI multiplies unsigned by signed bytes; the +128 is taken back with
-// 128 * sum xq). Q4's are 4 chunks: chunk c holds, for lane j, 4 bytes whose low nibbles are
-// q[8c .. 8c+3] and high nibbles q[8c+4 .. 8c+7]. A vector load is then one quad of 16 rows,
-// which one instruction multiplies by a broadcast quad of one activation row: 16 rows' sums
-// in the 16 lanes, no horizontal sums. A tile takes the GGUF block's bytes (34, 18, 20 per
-// 32 weights), so weights kept this way take the file's size.
+// Why 16 bits: llama.cpp rounds the activations to 8 (Q8_0/Q8_1 blocks of 32, Q8_K of 256),
+// and on the default model that alone moved the top-1 token at 2.5% of teacher-forced
+// positions; at 16 bits the blocks' own rounding is all that is left. The second plane
+// costs a second pass of dot products: free where a step reads weights from memory (a few
+// rows), about 1.8x the dot products where it computes (many rows).
 //
-// Two implementations of one arithmetic: AVX-512 VNNI where the CPU has it (compiled for
-// this machine at first use), and plain C++ everywhere; the integer sums are exact and the
-// float steps are the same operations in the same order, so both give the same bits.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include <immintrin.h>
@@ -96,12 +89,18 @@ void put_block(const Format& f, uint8_t* tile, int64_t lane, const int32_t* q) {
       w[c * 64 + lane * 4 + b] = static_cast<uint8_t>(q[8 * c + b] | (q[8 * c + 4 + b] << 4));
 }
 
-int32_t get_value(const Format& f, const uint8_t* tile, int64_t lane, int64_t i) {
+// The value a tile stores for weight i of row lane (Q8_0: q + 128; Q4: the nibble).
+int32_t stored(const Format& f, const uint8_t* tile, int64_t lane, int64_t i) {
   const uint8_t* w = tile + f.weights_at;
-  if (f.kind == kQ8_0) return static_cast<int32_t>(w[(i / 4) * 64 + lane * 4 + i % 4]) - 128;
+  if (f.kind == kQ8_0) return w[(i / 4) * 64 + lane * 4 + i % 4];
   const int64_t c = i / 8, b = i % 8;
   const uint8_t byte = w[c * 64 + lane * 4 + b % 4];
   return b < 4 ? byte & 0x0F : byte >> 4;
+}
+
+// Weight i of row lane as the block holds it (Q8_0: q; Q4: the nibble).
+int32_t get_value(const Format& f, const uint8_t* tile, int64_t lane, int64_t i) {
+  return stored(f, tile, lane, i) - (f.kind == kQ8_0 ? 128 : 0);
 }
 
 inline const uint16_t* tile_d(const uint8_t* tile) { return reinterpret_cast<const uint16_t*>(tile); }
@@ -109,19 +108,63 @@ inline const uint16_t* tile_m(const uint8_t* tile) {
   return reinterpret_cast<const uint16_t*>(tile) + kTileRows;
 }
 
-// The activations, quantized per block of 32: q = round(x * 127 / amax) (ties to even),
-// d = amax / 127, and each block's sum of q, as an integer and times d.
+// The activations, rounded per block of 32 to 16 bits: v = x * 127 / amax, xh = round(v)
+// (ties to even), xl = round(256 (v - xh)) (v - xh is exact; clamped to 127), so that
+// x ~ xd * (256 xh + xl) with xd = amax / 127 / 256; and each block's sums of xh and xl,
+// and its rounded sum xd * (256 sum xh + sum xl).
 struct Activations {
   int64_t rows, cols, groups;
-  std::vector<int8_t> q;
+  std::vector<int8_t> high, low;
   std::vector<float> d, sum;
-  std::vector<int32_t> qsum;
+  std::vector<int32_t> high_sum, low_sum;
 };
+
+// One block of 32 activations into its planes (see Activations); returns the planes' sums.
+inline std::pair<int32_t, int32_t> quantize_block(const float* x, float inv, int8_t* high,
+                                                  int8_t* low) {
+#if defined(__AVX512F__)
+  const __m512 vinv = _mm512_set1_ps(inv), scale = _mm512_set1_ps(256.0f);
+  const __m512 top = _mm512_set1_ps(127.0f), bottom = _mm512_set1_ps(-127.0f);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512i high_sum = _mm512_setzero_si512(), low_sum = _mm512_setzero_si512();
+  for (int i = 0; i < kBlock; i += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), vinv);
+    const __m512 h = _mm512_roundscale_ps(v, kNearest);
+    __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, h), scale), kNearest);
+    l = _mm512_min_ps(top, _mm512_max_ps(bottom, l));
+    const __m512i hi = _mm512_cvtps_epi32(h), li = _mm512_cvtps_epi32(l);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(high + i), _mm512_cvtepi32_epi8(hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(low + i), _mm512_cvtepi32_epi8(li));
+    high_sum = _mm512_add_epi32(high_sum, hi);
+    low_sum = _mm512_add_epi32(low_sum, li);
+  }
+  return {_mm512_reduce_add_epi32(high_sum), _mm512_reduce_add_epi32(low_sum)};
+#else
+  int32_t high_sum = 0, low_sum = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    const float v = x[i] * inv;
+    const float h = std::nearbyint(v);
+    const float l = std::min(127.0f, std::max(-127.0f, std::nearbyint((v - h) * 256.0f)));
+    high[i] = static_cast<int8_t>(h);
+    low[i] = static_cast<int8_t>(l);
+    high_sum += high[i];
+    low_sum += low[i];
+  }
+  return {high_sum, low_sum};
+#endif
+}
 
 Activations quantize_activations(const float* x, int64_t M, int64_t K) {
   const int64_t G = K / kBlock;
-  Activations a{M, K, G, std::vector<int8_t>(M * K), std::vector<float>(M * G),
-                std::vector<float>(M * G), std::vector<int32_t>(M * G)};
+  Activations a{M,
+                K,
+                G,
+                std::vector<int8_t>(M * K),
+                std::vector<int8_t>(M * K),
+                std::vector<float>(M * G),
+                std::vector<float>(M * G),
+                std::vector<int32_t>(M * G),
+                std::vector<int32_t>(M * G)};
   at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t g = 0; g < G; ++g) {
@@ -129,23 +172,22 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K) {
         float amax = 0.0f;
         for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int8_t* q = a.q.data() + r * K + g * kBlock;
-        int32_t qsum = 0;
-        for (int i = 0; i < kBlock; ++i) {
-          q[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
-          qsum += q[i];
-        }
-        a.d[r * G + g] = amax / 127.0f;
-        a.sum[r * G + g] = a.d[r * G + g] * static_cast<float>(qsum);
-        a.qsum[r * G + g] = qsum;
+        const int64_t ag = r * G + g;
+        const auto [high_sum, low_sum] =
+            quantize_block(xb, inv, a.high.data() + r * K + g * kBlock, a.low.data() + r * K + g * kBlock);
+        a.d[ag] = amax / 127.0f / 256.0f;
+        a.sum[ag] = a.d[ag] * static_cast<float>(256 * high_sum + low_sum);
+        a.high_sum[ag] = high_sum;
+        a.low_sum[ag] = low_sum;
       }
   });
   return a;
 }
 
-// What a block's integer sum starts from: the offsets of the weights' stored values.
-inline int32_t start_of(int64_t kind, int32_t qsum) {
-  return kind == kQ8_0 ? -128 * qsum : kind == kQ4_0 ? -8 * qsum : 0;
+// What a plane's integer sum of a block starts from: the offsets of the weights' stored
+// values (Q8_0 stores q + 128, Q4_0 q + 8) times the plane's sum.
+inline int32_t start_of(int64_t kind, int32_t plane_sum) {
+  return kind == kQ8_0 ? -128 * plane_sum : kind == kQ4_0 ? -8 * plane_sum : 0;
 }
 
 struct Call {
@@ -165,14 +207,14 @@ void tile_plain(const Call& c, int64_t r0, int64_t t) {
   for (int64_t g = 0; g < f.groups; ++g) {
     const uint8_t* tile = c.w + (t * f.groups + g) * f.tile_bytes;
     for (int r = 0; r < R; ++r) {
-      const int8_t* xq = a.q.data() + (r0 + r) * a.cols + g * kBlock;
+      const int8_t* high = a.high.data() + (r0 + r) * a.cols + g * kBlock;
+      const int8_t* low = a.low.data() + (r0 + r) * a.cols + g * kBlock;
       const int64_t ag = (r0 + r) * a.groups + g;
       for (int64_t j = 0; j < kTileRows; ++j) {
-        int32_t s = start_of(f.kind, a.qsum[ag]);
-        for (int64_t i = 0; i < kBlock; ++i) {
-          const int32_t stored = f.kind == kQ8_0 ? get_value(f, tile, j, i) + 128 : get_value(f, tile, j, i);
-          s += stored * xq[i];
-        }
+        int32_t s = start_of(f.kind, a.high_sum[ag]);
+        for (int64_t i = 0; i < kBlock; ++i) s += stored(f, tile, j, i) * high[i];
+        s = s * 256 + start_of(f.kind, a.low_sum[ag]);
+        for (int64_t i = 0; i < kBlock; ++i) s += stored(f, tile, j, i) * low[i];
         const float scale = half_to_float(tile_d(tile)[j]) * a.d[ag];
         acc[r][j] = std::fma(static_cast<float>(s), scale, acc[r][j]);
         if (f.kind == kQ4_1) acc[r][j] = std::fma(half_to_float(tile_m(tile)[j]), a.sum[ag], acc[r][j]);
@@ -193,6 +235,38 @@ inline __m512 load_halves(const uint16_t* h) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 }
 
+// A tile's block of weights as 8 quads of 16 rows x 4 bytes (what a Q8_0 tile holds): a Q4
+// tile's 4 chunks split into their low nibbles (quads 0, 2, 4, 6) and high ones (1, 3, 5, 7).
+template <int64_t KIND>
+inline const uint8_t* quads(const uint8_t* weights, uint8_t* buffer) {
+  if constexpr (KIND == kQ8_0) {
+    return weights;
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int chunk = 0; chunk < 4; ++chunk) {
+      const __m512i raw = _mm512_loadu_si512(weights + chunk * 64);
+      _mm512_storeu_si512(buffer + chunk * 128, _mm512_and_si512(raw, low));
+      _mm512_storeu_si512(buffer + chunk * 128 + 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+    }
+    return buffer;
+  }
+}
+
+// One plane of R activation rows (x, row stride K, at the block) into the NB tiles' sums.
+template <int R, int NB>
+inline void dot_plane(const uint8_t* const* w, const int8_t* x, int64_t K, __m512i (&sum)[R][NB]) {
+  for (int quad = 0; quad < 8; ++quad) {
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w[j] + quad * 64);
+    for (int r = 0; r < R; ++r) {
+      int32_t x4;
+      std::memcpy(&x4, x + r * K + quad * 4, 4);
+      const __m512i xv = _mm512_set1_epi32(x4);
+      for (int j = 0; j < NB; ++j) sum[r][j] = _mm512_dpbusd_epi32(sum[r][j], wv[j], xv);
+    }
+  }
+}
+
 // R activation rows against the NB tiles from t: NB x R accumulators of 16 lanes.
 template <int64_t KIND, int R, int NB>
 void tiles_vnni(const Call& c, int64_t r0, int64_t t) {
@@ -202,47 +276,24 @@ void tiles_vnni(const Call& c, int64_t r0, int64_t t) {
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  alignas(64) uint8_t buffer[NB][512];
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* tile[NB];
     for (int j = 0; j < NB; ++j) tile[j] = c.w + ((t + j) * G + g) * f.tile_bytes;
     __m512i sum[R][NB];
     for (int r = 0; r < R; ++r) {
-      const __m512i start = _mm512_set1_epi32(start_of(KIND, a.qsum[(r0 + r) * G + g]));
+      const __m512i start = _mm512_set1_epi32(start_of(KIND, a.high_sum[(r0 + r) * G + g]));
       for (int j = 0; j < NB; ++j) sum[r][j] = start;
     }
-    const int8_t* xq = a.q.data() + r0 * K + g * kBlock;
-    if constexpr (KIND == kQ8_0) {
-      for (int quad = 0; quad < 8; ++quad) {
-        __m512i w[NB];
-        for (int j = 0; j < NB; ++j) w[j] = _mm512_loadu_si512(tile[j] + f.weights_at + quad * 64);
-        for (int r = 0; r < R; ++r) {
-          int32_t x4;
-          std::memcpy(&x4, xq + r * K + quad * 4, 4);
-          const __m512i xv = _mm512_set1_epi32(x4);
-          for (int j = 0; j < NB; ++j) sum[r][j] = _mm512_dpbusd_epi32(sum[r][j], w[j], xv);
-        }
-      }
-    } else {
-      for (int chunk = 0; chunk < 4; ++chunk) {
-        __m512i lo[NB], hi[NB];
-        for (int j = 0; j < NB; ++j) {
-          const __m512i raw = _mm512_loadu_si512(tile[j] + f.weights_at + chunk * 64);
-          lo[j] = _mm512_and_si512(raw, low);
-          hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-        }
-        for (int r = 0; r < R; ++r) {
-          int32_t x_lo, x_hi;
-          std::memcpy(&x_lo, xq + r * K + chunk * 8, 4);
-          std::memcpy(&x_hi, xq + r * K + chunk * 8 + 4, 4);
-          const __m512i vl = _mm512_set1_epi32(x_lo), vh = _mm512_set1_epi32(x_hi);
-          for (int j = 0; j < NB; ++j) {
-            sum[r][j] = _mm512_dpbusd_epi32(sum[r][j], lo[j], vl);
-            sum[r][j] = _mm512_dpbusd_epi32(sum[r][j], hi[j], vh);
-          }
-        }
-      }
+    const uint8_t* w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = quads<KIND>(tile[j] + f.weights_at, buffer[j]);
+    const int64_t x_at = r0 * K + g * kBlock;
+    dot_plane<R, NB>(w, a.high.data() + x_at, K, sum);
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = _mm512_set1_epi32(start_of(KIND, a.low_sum[(r0 + r) * G + g]));
+      for (int j = 0; j < NB; ++j) sum[r][j] = _mm512_add_epi32(_mm512_slli_epi32(sum[r][j], 8), start);
     }
+    dot_plane<R, NB>(w, a.low.data() + x_at, K, sum);
     for (int j = 0; j < NB; ++j) {
       const __m512 d = load_halves(tile_d(tile[j]));
       __m512 m = _mm512_setzero_ps();
@@ -265,9 +316,9 @@ void tiles_vnni(const Call& c, int64_t r0, int64_t t) {
   }
 }
 
+// Rows [r, M) against tiles [t0, t1).
 template <int64_t KIND>
-void tiles_range_vnni(const Call& c, int64_t M, int64_t t0, int64_t t1) {
-  int64_t r = 0;
+void tiles_range_vnni(const Call& c, int64_t r, int64_t M, int64_t t0, int64_t t1) {
   for (; r + 4 <= M; r += 4) {
     int64_t t = t0;
     for (; t + 2 <= t1; t += 2) tiles_vnni<KIND, 4, 2>(c, r, t);
@@ -279,6 +330,7 @@ void tiles_range_vnni(const Call& c, int64_t M, int64_t t0, int64_t t1) {
     for (; t < t1; ++t) tiles_vnni<KIND, 1, 1>(c, r, t);
   }
 }
+
 #else
 #define INLINELM_VNNI 0
 #endif
@@ -294,9 +346,9 @@ void tiles_range_plain(const Call& c, int64_t M, int64_t t0, int64_t t1) {
 void tiles_range(const Call& c, int64_t M, int64_t t0, int64_t t1, bool plain) {
 #if INLINELM_VNNI
   if (!plain) {
-    if (c.f.kind == kQ8_0) return tiles_range_vnni<kQ8_0>(c, M, t0, t1);
-    if (c.f.kind == kQ4_0) return tiles_range_vnni<kQ4_0>(c, M, t0, t1);
-    return tiles_range_vnni<kQ4_1>(c, M, t0, t1);
+    if (c.f.kind == kQ8_0) return tiles_range_vnni<kQ8_0>(c, 0, M, t0, t1);
+    if (c.f.kind == kQ4_0) return tiles_range_vnni<kQ4_0>(c, 0, M, t0, t1);
+    return tiles_range_vnni<kQ4_1>(c, 0, M, t0, t1);
   }
 #endif
   tiles_range_plain(c, M, t0, t1);

@@ -1,16 +1,15 @@
 """Block-quantized weights for a CPU's linear layers and embeddings: GGUF's ``Q8_0``,
-``Q4_0`` and ``Q4_1``, 32 weights a block with float16 scales, computed as llama.cpp
-computes them.
+``Q4_0`` and ``Q4_1``, 32 weights a block with float16 scales, kept as the file holds them.
 
-A matmul quantizes its input rows per block of 32 to int8 (a float scale each) and takes
-each block's dot product in exact integer arithmetic (AVX-512 VNNI where the CPU has it),
-so a block costs a few instructions where float weights cost one per 16 weights, and the
-weights are read at their stored size: 4.5 to 8.5 bits a weight instead of float32's 32.
-The input's rounding is the price. On the default model (its Q4_1 file), teacher-forced on
-float32's greedy answers to 32 prompts, the top-1 token agrees with float32's at 97.5% of
-positions (``tests/gpu/model/test_blocks.py``; llama.cpp's own agreement on the file:
-``benchmarks/quality_vs_llama_cpp.py``). The kernel it replaced (the weights as int8 rows,
-float inputs) agreed at 97.8% and took 2.6x the time for a decode step's matmuls.
+A matmul rounds its input rows per block of 32 to 16 bits (two int8 planes on one float
+scale) and takes each block's dot products in exact integer arithmetic (AVX-512 VNNI where
+the CPU has it), so the weights are read at their stored size, 4.5 to 8.5 bits a weight
+instead of float32's 32, and multiplied without widening them to floats. llama.cpp rounds
+the inputs to 8 bits: on the default model (its Q4_1 file), teacher-forced on float32's
+greedy answers to 32 prompts, 8 bits moved the top-1 token at 2.5% of positions, 16 bits at
+none of 2,048 (``tests/gpu/model/test_blocks.py``); the second plane costs nothing where a
+decode step reads weights from memory, and 1.5-1.7x the matmul time where many rows
+compute (``benchmarks/quantized_cpu.py``).
 
 The kernel and its tile layout are ``csrc/block_linear.cpp``, built at first use with the
 project's other CPU kernels (:mod:`inlinelm.gpu.model.cpu_extension`); where they cannot be
@@ -33,7 +32,8 @@ BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 """The bytes of a block of each kind, GGUF's: float16 ``d`` (and ``m`` for Q4_1), then 32
 int8 values or 16 bytes of 4-bit ones."""
 
-_KIND_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # csrc/block_linear.cpp's Kind
+KIND_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+"""Each kind's number in the extension (``csrc/block_linear.cpp``'s ``Kind``)."""
 _TILE_ROWS = 16
 
 
@@ -74,14 +74,14 @@ class BlockWeight:
         """Rows ``[row0, row0 + len(blocks))`` from their GGUF blocks of this kind (uint8
         [n, cols / 32 * block bytes])."""
         _kernel().block_pack(
-            self.data, _KIND_IDS[self.kind], self.rows, self.cols, row0, blocks.contiguous()
+            self.data, KIND_IDS[self.kind], self.rows, self.cols, row0, blocks.contiguous()
         )
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) as float32 [*ids.shape, cols]."""
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         rows: torch.Tensor = _kernel().block_rows(
-            self.data, _KIND_IDS[self.kind], self.rows, self.cols, flat
+            self.data, KIND_IDS[self.kind], self.rows, self.cols, flat
         )
         return rows.reshape(*ids.shape, self.cols)
 
@@ -92,14 +92,14 @@ class BlockWeight:
     def matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None, plain: bool = False
     ) -> torch.Tensor:
-        """``x @ W.T + bias`` for ``x`` [..., cols] of any float dtype, ``x`` quantized per
-        block of 32 (see the module's docstring). ``plain`` runs the portable loops instead
-        of AVX-512 VNNI (the same bits; for the tests)."""
+        """``x @ W.T + bias`` for ``x`` [..., cols] of any float dtype, ``x`` rounded per
+        block of 32 to 16 bits (see the module's docstring). ``plain`` runs the portable
+        loops instead of AVX-512 VNNI (the same bits; for the tests)."""
         flat = x.reshape(-1, self.cols)
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.float().contiguous()
         y: torch.Tensor = _kernel().block_linear(
-            flat, self.data, _KIND_IDS[self.kind], self.rows, self.cols, bias, plain
+            flat, self.data, KIND_IDS[self.kind], self.rows, self.cols, bias, plain
         )
         y = y.reshape(*x.shape[:-1], self.rows)
         return y if x.dtype == torch.float32 else y.to(x.dtype)

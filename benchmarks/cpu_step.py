@@ -8,10 +8,13 @@ once with the extension's float32 kernels withheld (torch's ops; quantized layer
 their kernel). The real
 scheduler and model runner on the calling thread, greedy, prompts of ~24 tokens, batches
 of 1 and 32, the four runners taking turns for ``--rounds`` rounds. Each decode step is
-timed whole, and its linear layers inside it (a clock around every ``Linear.forward``:
-the weights come from memory as they do in a step, which a matmul timed alone in a loop
-does not show); "rest" = step - matmuls, everything else the step does (the kernels
-compared here, the layers' Python, the inputs, sampling). Medians over the steps.
+timed whole, and its linear layers inside it (a clock around every ``Linear.forward``, and
+around each block matmul of the decoder stack that runs a quantized model's decode steps
+in one extension call: the weights come from memory as they do in a step, which a matmul
+timed alone in a loop does not show); "rest" = step - matmuls, everything else the step
+does (the kernels compared here, the layers' Python, the inputs, sampling). Medians over
+the steps. With torch's ops the model has no decoder stack (it runs the extension's
+kernels only), so that column also shows the layers' Python.
 
 Prints a table and writes ``--json PATH``.
 """
@@ -58,11 +61,21 @@ def runner(quantization: str, fused: bool) -> ModelRunner:
 
 
 class MatmulClock:
-    """Seconds spent in ``Linear.forward`` since the last :meth:`take`."""
+    """Seconds spent in ``Linear.forward`` since the last :meth:`take`, and in the block
+    matmuls of a decoder stack (``inlinelm.gpu.model.decoder_stack``, which runs a decode
+    step's layers without their Python) when a runner has one."""
 
     def __init__(self) -> None:
         self.spent = 0.0
         self._forward = Linear.forward
+        self.stacks: list[Any] = []
+
+    def watch(self, made: ModelRunner) -> None:
+        """Clock the matmuls of ``made``'s decoder stack, if it has one."""
+        stack = made.model.decoder_stack
+        if stack is not None:
+            stack.clock_matmuls(True)
+            self.stacks.append(stack)
 
     def timed(self) -> Any:
         """A ``Linear.forward`` that adds its time to :attr:`spent`."""
@@ -77,7 +90,7 @@ class MatmulClock:
 
     def take(self) -> float:
         spent, self.spent = self.spent, 0.0
-        return spent
+        return spent + sum(stack.take_matmul_seconds() for stack in self.stacks)
 
 
 def measure(
@@ -115,6 +128,8 @@ def main() -> None:
     )
     runners = {(q, fused): runner(q, fused) for q in WEIGHTS for fused in (False, True)}
     clock = MatmulClock()
+    for made in runners.values():
+        clock.watch(made)
     steps: dict[tuple[str, bool, int], list[tuple[float, float]]] = {}
     with mock.patch.object(Linear, "forward", clock.timed()):
         for _ in range(args.rounds):

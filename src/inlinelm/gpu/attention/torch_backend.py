@@ -211,6 +211,18 @@ class TorchAttention:
             mask = torch.arange(seq_len, device=device).view(1, -1) <= q_pos
         return _Chunk(start, end, seq_len, meta.block_tables[row, :num_blocks], mask)
 
+    def whole_decode(
+        self, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The block tables, context lengths and block size of a prepared step whose every
+        row is a decode row attended by the CPU extension (one ``paged_decode`` call a
+        layer, as a fused decode step makes it), else None."""
+        plan = meta.plan
+        if self.cpu_ops is None or not isinstance(plan, _Plan) or not plan.whole:
+            return None
+        group = plan.decode[0]
+        return group.block_tables, group.seq_lens, plan.block_size
+
     def forward(
         self,
         q: torch.Tensor,

@@ -33,6 +33,7 @@ from inlinelm.gpu.loading.block_weights import (
 from inlinelm.gpu.loading.model_files import weight_files
 from inlinelm.gpu.loading.quantization import stored_types
 from inlinelm.gpu.model.config import ModelConfig
+from inlinelm.gpu.model.decoder_stack import DecoderStack
 from inlinelm.gpu.model.kernels import Kernels
 from inlinelm.gpu.model.layers.linear import Linear, onednn_packing_available
 from inlinelm.gpu.model.layers.moe import SparseMoE
@@ -102,6 +103,7 @@ def load_model(
     )
     if onednn_packing_available(device, dtype):
         _pack_for_onednn(model)
+    model.use_decoder_stack(DecoderStack.of(model))
     logger.info("loaded %s weights in %.2f s", folder.name, time.perf_counter() - start)
     # NOTE: inference only: no parameter asks autograd to record (a graph capture outside
     # inference mode would otherwise trip over the in-place KV-cache writes).

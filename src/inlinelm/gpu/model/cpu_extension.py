@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("block_linear.cpp", "cpu_ops.cpp", "bindings.cpp")
+SOURCES = ("block_linear.cpp", "cpu_ops.cpp", "decoder_stack.cpp", "bindings.cpp")
 HEADERS = ("ops.h", "vec.h")
 
 STALE_LOCK_S = 600.0

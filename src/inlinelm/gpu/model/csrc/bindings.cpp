@@ -38,4 +38,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up for x = [gate | up]");
   m.def("write_kv", &write_kv, "k, v [T, KVH, D] into kv_cache [2, slots, KVH, D] at slots");
   m.def("paged_decode", &paged_decode, "one query row per sequence over the paged cache");
+  // NOTE: a whole decode step's layers run without the GIL: one release a step, not one a call
+  pybind11::class_<DecoderStack>(m, "DecoderStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, double, bool>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("clock_matmuls", &DecoderStack::clock_matmuls)
+      .def("take_matmul_seconds", &DecoderStack::take_matmul_seconds)
+      .def("decode", &DecoderStack::decode, release());
 }

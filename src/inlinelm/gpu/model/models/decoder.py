@@ -12,6 +12,8 @@ of the block: the add is fused into the next norm (one kernel on CUDA).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -106,6 +108,14 @@ class DecoderModel(nn.Module):
         # NOTE: with tied embeddings the loader copies the embedding into lm_head's
         # transposed layout (one extra copy of the matrix, read at the faster rate).
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # the layers as one extension call for decode steps (see use_decoder_stack)
+        self.decoder_stack: Any = None
+
+    def use_decoder_stack(self, stack: Any) -> None:
+        """Run decode steps through ``stack`` (a
+        :class:`~inlinelm.gpu.model.decoder_stack.DecoderStack` of these layers, whose
+        results are theirs to the bit), or the layers themselves for None."""
+        self.decoder_stack = stack
 
     def set_max_positions(self, max_positions: int) -> None:
         """Rebuild the RoPE tables for ``max_positions`` (the loader builds the model on
@@ -126,16 +136,39 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Run all layers over the flat batch; return float32 logits [len(logits_indices), V]."""
         x = self.scale_embeddings(self.embed_tokens(input_ids))
-        ropes = {"global": self.kernels.rope_inputs(self.rotary.cos_sin_cache, positions, x.dtype)}
+        tables = [self.rotary.cos_sin_cache]
         if self.local_rotary is not None:
-            table = self.local_rotary.cos_sin_cache
-            ropes["local"] = self.kernels.rope_inputs(table, positions, x.dtype)
+            tables.append(self.local_rotary.cos_sin_cache)
+        stacked = None
+        if self.decoder_stack is not None:
+            stacked = self.decoder_stack.decode(x, positions, tables, kv_caches, meta)
+        if stacked is None:
+            x, residual = self.run_layers(x, positions, tables, kv_caches, meta)
+        else:
+            x, residual = stacked
+        x, _ = self.norm.add_and_norm(x[logits_indices], residual[logits_indices])
+        return self.finish_logits(self.lm_head(x)).float()
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        tables: list[torch.Tensor],
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer over the embeddings ``x``: ``(block output, residual)`` of the last
+        (``tables``: the global RoPE table, then the local one when there is one)."""
+        names = ("global", "local")[: len(tables)]
+        ropes = {
+            name: self.kernels.rope_inputs(table, positions, x.dtype)
+            for name, table in zip(names, tables, strict=True)
+        }
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, ropes, kv_cache, meta)
         assert residual is not None, "a model has at least one layer"
-        x, _ = self.norm.add_and_norm(x[logits_indices], residual[logits_indices])
-        return self.finish_logits(self.lm_head(x)).float()
+        return x, residual
 
     def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:
         """The embeddings as the first layer reads them (Granite multiplies them)."""

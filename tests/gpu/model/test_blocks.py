@@ -5,8 +5,8 @@ quality.
   into the kernel's tiles and read back (lookups) as gguf-py dequantizes it;
 - the kernel computes ``x^ @ W.T + b`` to float32's rounding, where ``W`` is the blocks'
   exact values and ``x^`` the input rounded per block of 32 to 16 bits (every kind, row counts that
-  take each path, rows and columns that leave tails), AVX-512 VNNI and the plain loops
-  to the same bits, and ``x^`` within a 16-bit step of ``x``
+  take each path, rows and columns that leave tails), AVX-512 VNNI, AVX2 and the plain
+  loops to the same bits where the CPU has them, and ``x^`` within a 16-bit step of ``x``
   in each block, each block on its own scale;
 - in a loaded model every linear layer computes with its checkpoint's weights (fused and
   tied ones included), on the very inputs it was given;
@@ -37,6 +37,7 @@ from inlinelm.gpu.model.layers.blocks import (
     BLOCK,
     BlockWeight,
     dequantize_blocks,
+    fastest_loops,
     packed_bytes,
     quantize_q8_0,
 )
@@ -46,6 +47,8 @@ from tests.gpu.reference import folder_tensors, load_ours, prefill_logits
 pytestmark = pytest.mark.skipif(cpu_extension() is None, reason="the CPU extension did not build")
 
 KINDS = ("Q8_0", "Q4_0", "Q4_1")
+SLOWER = {"vnni": ["avx2", "plain"], "avx2": ["plain"], "plain": []}[fastest_loops()]
+"""The kernel's slower loops on this CPU, which compute what its fastest do."""
 U = torch.finfo(torch.float32).eps / 2
 CPU = torch.device("cpu")
 
@@ -149,8 +152,8 @@ def test_the_kernel_is_the_exact_product_of_the_rounded_input(
         exact, bound = reference(x, values, sums, bias)
         assert got.shape == (rows, out) and got.dtype == torch.float32
         assert ((got.double() - exact).abs() <= bound).all()
-        if cpu_extension().block_vnni():
-            assert torch.equal(weight.matmul(x, bias, plain=True), got)
+        for loops in SLOWER:
+            assert torch.equal(weight.matmul(x, bias, loops), got), loops
 
 
 def test_the_input_is_rounded_per_block_to_16_bits() -> None:
@@ -186,12 +189,12 @@ def test_bad_calls_are_refused_before_any_read() -> None:
     weight, _, _ = packed(torch.randn(20, 64), "Q8_0")
     data, q80 = weight.data, 0
     cases = [
-        (lambda: kernel.block_linear(torch.zeros(2, 32), data, q80, 20, 64, None, False), "columns"),
-        (lambda: kernel.block_linear(torch.zeros(2, 64).double(), data, q80, 20, 64, None, False), "float32"),
-        (lambda: kernel.block_linear(torch.zeros(2, 64), data[:-1], q80, 20, 64, None, False), "bytes"),
-        (lambda: kernel.block_linear(torch.zeros(2, 64), data, 7, 20, 64, None, False), "kind"),
-        (lambda: kernel.block_linear(torch.zeros(2, 48), data, q80, 20, 48, None, False), "blocks"),
-        (lambda: kernel.block_linear(torch.zeros(2, 64), data, q80, 20, 64, torch.zeros(3), False), "bias"),
+        (lambda: kernel.block_linear(torch.zeros(2, 32), data, q80, 20, 64, None, 0), "columns"),
+        (lambda: kernel.block_linear(torch.zeros(2, 64).double(), data, q80, 20, 64, None, 0), "float32"),
+        (lambda: kernel.block_linear(torch.zeros(2, 64), data[:-1], q80, 20, 64, None, 0), "bytes"),
+        (lambda: kernel.block_linear(torch.zeros(2, 64), data, 7, 20, 64, None, 0), "kind"),
+        (lambda: kernel.block_linear(torch.zeros(2, 48), data, q80, 20, 48, None, 0), "blocks"),
+        (lambda: kernel.block_linear(torch.zeros(2, 64), data, q80, 20, 64, torch.zeros(3), 0), "bias"),
         (lambda: kernel.block_rows(data, q80, 20, 64, torch.tensor([20])), "outside"),
         (lambda: kernel.block_rows(data, q80, 20, 64, torch.tensor([-1])), "outside"),
         (lambda: kernel.block_pack(data, q80, 20, 64, 19, torch.zeros(2, 68, dtype=torch.uint8)), "outside"),

@@ -14,18 +14,18 @@ constexpr int64_t kHoldGilRows = 32;  // block_linear calls of at most this many
 
 torch::Tensor block_linear_gil(const torch::Tensor& x, const torch::Tensor& data, int64_t kind,
                                int64_t rows, int64_t cols,
-                               const c10::optional<torch::Tensor>& bias, bool plain) {
+                               const c10::optional<torch::Tensor>& bias, int64_t loops) {
   if (x.dim() == 2 && x.size(0) <= kHoldGilRows)
-    return block_linear(x, data, kind, rows, cols, bias, plain);
+    return block_linear(x, data, kind, rows, cols, bias, loops);
   pybind11::gil_scoped_release release;
-  return block_linear(x, data, kind, rows, cols, bias, plain);
+  return block_linear(x, data, kind, rows, cols, bias, loops);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("block_vnni", &block_vnni, "whether block_linear runs AVX-512 VNNI here");
+  m.def("block_loops", &block_loops, "the fastest loops block_linear runs here");
   m.def("block_packed_bytes", &block_packed_bytes, "bytes of a [rows, cols] matrix's tiles");
   m.def("block_pack", &block_pack, "GGUF blocks of rows [row0, row0 + n) into the tiles",
         release());

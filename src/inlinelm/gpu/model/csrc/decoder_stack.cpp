@@ -16,7 +16,7 @@ struct DecoderLayerOps {
     c10::optional<torch::Tensor> bias;
 
     torch::Tensor operator()(const torch::Tensor& x) const {
-      return block_linear(x, data, kind, rows, cols, bias, false);
+      return block_linear(x, data, kind, rows, cols, bias, 0);
     }
   };
 

@@ -12,7 +12,7 @@
 
 // block_linear.cpp: block-quantized weights (kind 0 Q8_0, 1 Q4_0, 2 Q4_1), packed in the
 // kernel's tiles (a flat uint8 tensor of block_packed_bytes)
-bool block_vnni();
+std::string block_loops();  // the fastest loops block_linear runs here
 int64_t block_packed_bytes(int64_t kind, int64_t rows, int64_t cols);
 void block_pack(torch::Tensor& data, int64_t kind, int64_t rows, int64_t cols, int64_t row0,
                 const torch::Tensor& blocks);
@@ -20,7 +20,7 @@ torch::Tensor block_rows(const torch::Tensor& data, int64_t kind, int64_t rows, 
                          const torch::Tensor& ids);
 torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& data, int64_t kind,
                            int64_t rows, int64_t cols, const c10::optional<torch::Tensor>& bias,
-                           bool plain);
+                           int64_t loops);
 
 // cpu_ops.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,

@@ -90,19 +90,29 @@ class BlockWeight:
         return self.lookup(torch.arange(self.rows))
 
     def matmul(
-        self, x: torch.Tensor, bias: torch.Tensor | None, plain: bool = False
+        self, x: torch.Tensor, bias: torch.Tensor | None, loops: str = "fastest"
     ) -> torch.Tensor:
         """``x @ W.T + bias`` for ``x`` [..., cols] of any float dtype, ``x`` rounded per
-        block of 32 to 16 bits (see the module's docstring). ``plain`` runs the portable
-        loops instead of AVX-512 VNNI (the same bits; for the tests)."""
+        block of 32 to 16 bits (see the module's docstring). ``loops`` picks the kernel's
+        implementation, which all give the same bits (for the tests): ``"fastest"`` (AVX-512
+        VNNI where the CPU has it, else AVX2, else plain C++), ``"avx2"``, ``"plain"``."""
         flat = x.reshape(-1, self.cols)
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.float().contiguous()
         y: torch.Tensor = _kernel().block_linear(
-            flat, self.data, KIND_IDS[self.kind], self.rows, self.cols, bias, plain
+            flat, self.data, KIND_IDS[self.kind], self.rows, self.cols, bias, _LOOPS[loops]
         )
         y = y.reshape(*x.shape[:-1], self.rows)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+_LOOPS = {"fastest": 0, "avx2": 1, "plain": 2}  # csrc/block_linear.cpp's Loops
+
+
+def fastest_loops() -> str:
+    """The loops the kernel runs here: ``"vnni"``, ``"avx2"`` or ``"plain"``."""
+    loops: str = _kernel().block_loops()
+    return loops
 
 
 def _kernel() -> Any:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from inlinelm.errors import ModelLoadError
+from inlinelm.gpu.loading.model_files import WEIGHT_INDEX, weight_files
 from inlinelm.gpu.loading.quantization import (
     BLOCKS_METADATA,
     module_kind,
@@ -133,13 +134,16 @@ def blocks_of(module: torch.nn.Module) -> BlockWeight | None:
     return None
 
 
-def stored_blocks(files: list[Path]) -> dict[str, str]:
-    """The block kind of each block-quantized tensor of a checkpoint's ``files`` (from
-    their headers alone)."""
+def stored_blocks(folder: Path) -> dict[str, str]:
+    """The block kind of each block-quantized tensor of ``folder``'s checkpoint (from its
+    shards' headers alone; {} for a folder with no weight files, whose loading names what
+    is missing)."""
     from safetensors import SafetensorError, safe_open
 
+    if not ((folder / WEIGHT_INDEX).is_file() or any(folder.glob("*.safetensors"))):
+        return {}
     kinds: dict[str, str] = {}
-    for path in files:
+    for path in weight_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 kinds.update(block_kinds(f.metadata(), path))

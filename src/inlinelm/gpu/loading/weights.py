@@ -117,7 +117,7 @@ def block_plan(model: DecoderModel, cfg: ModelConfig, folder: Path, mode: str) -
     stored in and the blocks it holds)."""
     if mode == "none":
         return {}
-    blocks = stored_blocks(weight_files(folder))
+    blocks = stored_blocks(folder)
     # NOTE: a tensor held as blocks was stored quantized, whatever the types file says
     types = {**blocks, **stored_types(folder)}
     sources: dict[str, list[str]] = {}

@@ -43,8 +43,10 @@ class DecoderStack:
     def of(cls, model: DecoderModel) -> DecoderStack | None:
         """The stack of ``model``'s layers, or None where it does not qualify (see the
         module's docstring)."""
+        if not isinstance(model.kernels, CpuKernels) or len(model.layers) == 0:
+            return None
         ops = cpu_extension()
-        if ops is None or not isinstance(model.kernels, CpuKernels) or len(model.layers) == 0:
+        if ops is None:
             return None
         parts = [_parts(layer) for layer in model.layers]
         if any(p is None for p in parts):

@@ -25,8 +25,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("block_linear.cpp", "cpu_ops.cpp", "decoder_stack.cpp", "bindings.cpp")
-HEADERS = ("ops.h", "vec.h")
+SOURCES = (
+    "block_tiles.cpp",
+    "block_linear.cpp",
+    "block_linear_avx2.cpp",
+    "cpu_ops.cpp",
+    "decoder_stack.cpp",
+    "bindings.cpp",
+)
+HEADERS = ("ops.h", "vec.h", "block_tiles.h")
 
 STALE_LOCK_S = 600.0
 """A build lock older than this was left by a build that was killed (one takes ~40 s)."""

@@ -1,0 +1,109 @@
+// The tiles block-quantized weights live in, and what the block matmul's implementations
+// share (block_linear.cpp: AVX-512 VNNI and plain C++; block_linear_avx2.cpp: AVX2).
+//
+// The weights live in tiles of 16 rows x 32 columns (one block of each of 16 rows), tile
+// (t, g) at byte (t * G + g) * tile_bytes, rows padded to a multiple of 16 with zeros:
+//   [16 float16 d][16 float16 m, Q4_1 only][weights]
+// Q8_0's weights are 8 quads: quad c holds, for row lane j, the 4 bytes q[4c .. 4c+3] + 128
+// (unsigned: AVX-512 VNNI multiplies unsigned by signed bytes; the +128 is taken back with
+// 128 * sum xq). Q4's are 4 chunks: chunk c holds, for lane j, 4 bytes whose low nibbles are
+// q[8c .. 8c+3] and high nibbles q[8c+4 .. 8c+7]. A vector load is then one quad of 16 rows,
+// which one instruction multiplies by a broadcast quad of one activation row: 16 rows' sums
+// in the 16 lanes, no horizontal sums. A tile takes the GGUF block's bytes (34, 18, 20 per
+// 32 weights), so weights kept this way take the file's size.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <immintrin.h>
+
+namespace inlinelm::blocks {
+
+constexpr int64_t kBlock = 32;  // weights per block
+constexpr int64_t kTileRows = 16;
+
+enum Kind : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+
+struct Format {
+  int64_t kind, rows, cols, groups, tiles;
+  int64_t tile_bytes, weights_at;  // a tile's bytes, and where its weights start in it
+  int64_t block_bytes;             // the GGUF block's
+};
+
+inline Format format_of(int64_t kind, int64_t rows, int64_t cols) {
+  TORCH_CHECK(kind == kQ8_0 || kind == kQ4_0 || kind == kQ4_1, "unknown block kind ", kind);
+  TORCH_CHECK(rows > 0 && cols > 0 && cols % kBlock == 0, "a [", rows, ", ", cols,
+              "] matrix does not split into blocks of ", kBlock);
+  Format f{kind, rows, cols, cols / kBlock, (rows + kTileRows - 1) / kTileRows, 0, 0, 0};
+  const int64_t scales = kind == kQ4_1 ? 2 : 1;
+  f.weights_at = scales * kTileRows * 2;
+  f.tile_bytes = f.weights_at + kTileRows * (kind == kQ8_0 ? kBlock : kBlock / 2);
+  f.block_bytes = f.tile_bytes / kTileRows;
+  return f;
+}
+
+inline int64_t packed_bytes(const Format& f) { return f.tiles * f.groups * f.tile_bytes; }
+
+inline void check_packed(const torch::Tensor& data, const Format& f) {
+  TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.dim() == 1 && data.is_contiguous(),
+              "packed weights must be a contiguous 1-D uint8 tensor");
+  TORCH_CHECK(data.numel() == packed_bytes(f), "packed weights of [", f.rows, ", ", f.cols,
+              "] take ", packed_bytes(f), " bytes, not ", data.numel());
+}
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// The value a tile stores for weight i of row lane (Q8_0: q + 128; Q4: the nibble).
+inline int32_t stored(const Format& f, const uint8_t* tile, int64_t lane, int64_t i) {
+  const uint8_t* w = tile + f.weights_at;
+  if (f.kind == kQ8_0) return w[(i / 4) * 64 + lane * 4 + i % 4];
+  const int64_t c = i / 8, b = i % 8;
+  const uint8_t byte = w[c * 64 + lane * 4 + b % 4];
+  return b < 4 ? byte & 0x0F : byte >> 4;
+}
+
+// Weight i of row lane as the block holds it (Q8_0: q; Q4: the nibble).
+inline int32_t get_value(const Format& f, const uint8_t* tile, int64_t lane, int64_t i) {
+  return stored(f, tile, lane, i) - (f.kind == kQ8_0 ? 128 : 0);
+}
+
+inline const uint16_t* tile_d(const uint8_t* tile) { return reinterpret_cast<const uint16_t*>(tile); }
+inline const uint16_t* tile_m(const uint8_t* tile) {
+  return reinterpret_cast<const uint16_t*>(tile) + kTileRows;
+}
+
+// The activations, rounded per block of 32 to 16 bits: v = x * 127 / amax, xh = round(v)
+// (ties to even), xl = round(256 (v - xh)) (v - xh is exact; clamped to 127), so that
+// x ~ xd * (256 xh + xl) with xd = amax / 127 / 256; and each block's sums of xh and xl,
+// and its rounded sum xd * (256 sum xh + sum xl).
+struct Activations {
+  int64_t rows, cols, groups;
+  std::vector<int8_t> high, low;
+  std::vector<float> d, sum;
+  std::vector<int32_t> high_sum, low_sum;
+};
+
+// What a plane's integer sum of a block starts from: the offsets of the weights' stored
+// values (Q8_0 stores q + 128, Q4_0 q + 8) times the plane's sum.
+inline int32_t start_of(int64_t kind, int32_t plane_sum) {
+  return kind == kQ8_0 ? -128 * plane_sum : kind == kQ4_0 ? -8 * plane_sum : 0;
+}
+
+struct Call {
+  Format f;
+  const uint8_t* w;
+  const Activations* a;
+  const float* bias;
+  float* y;  // [M, N] with row stride N
+};
+
+// Rows [0, M) of c against tiles [t0, t1), one activation row at a time, with AVX2 (where
+// the extension was built with it: avx2_built()).
+bool avx2_built();
+void tiles_range_avx2(const Call& c, int64_t M, int64_t t0, int64_t t1);
+
+}  // namespace inlinelm::blocks

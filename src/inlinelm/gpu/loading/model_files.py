@@ -2,7 +2,8 @@
 
 A GGUF file is converted once into a folder of safetensors + config + tokenizer under
 ``$INLINELM_CACHE`` (or ``~/.cache/inlinelm``), keyed by the file's hash (float32, or the
-file's blocks for an engine computing with block-quantized weights); later starts read that folder directly.
+file's blocks for an engine computing with block-quantized weights); later starts read that
+folder directly.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from inlinelm.gpu.model.cpu_extension import cpu_extension
-from inlinelm.gpu.model.layers.blocks import BlockWeight, can_quantize, quantize_q8_0
+from inlinelm.gpu.model.layers.blocks import BlockWeight
 
 
 class Linear(nn.Module):
@@ -34,18 +33,6 @@ class Linear(nn.Module):
     def blocks(self) -> BlockWeight | None:
         """The block-quantized weights, or None for float weights."""
         return self._blocks
-
-    def quantize(self) -> bool:
-        """Keep the weight only as Q8_0 blocks, on a CPU (after loading; not reversible).
-        False, and the layer stays float, where the kernel did not build or the rows do
-        not split into blocks."""
-        in_features, out_features = self.weight_t.shape
-        if cpu_extension() is None or not can_quantize(in_features):
-            return False
-        weight = BlockWeight.empty("Q8_0", out_features, in_features, self.weight_t.device)
-        weight.pack(0, quantize_q8_0(self.weight_t.data.t()))
-        self.use_blocks(weight)
-        return True
 
     def use_blocks(self, weight: BlockWeight) -> None:
         """Compute with block-quantized ``weight`` [out, in] (a loader fills it, row ranges

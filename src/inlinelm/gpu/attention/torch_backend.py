@@ -12,7 +12,6 @@ runs eagerly, so the padding and buffer plumbing are tested without a GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ from inlinelm.gpu.attention.metadata import (
     IntArray,
     LayerAttention,
 )
+from inlinelm.gpu.attention.torch_plan import Chunk, DecodeGroup, Plan
 from inlinelm.gpu.kv_cache import write_kv
 from inlinelm.gpu.staging import HostStaging
 
@@ -39,64 +39,6 @@ at 170 keys, and no gain from two up to 4000 keys; two rows or more gain from tw
 TORCH_GRAPH_MAX_KEYS = 1 << 20
 """Keys one layer of :class:`TorchGraphAttention` gathers at the largest size (rows times
 ``max_model_len``): it caps the torch backend's largest graph (its pool holds that gather)."""
-
-
-@dataclass(slots=True)
-class _DecodeGroup:
-    """Sequences with one query token: one batched SDPA call, keys masked past each length."""
-
-    token_index: torch.Tensor  # [Bd] rows of the flat batch
-    block_tables: torch.Tensor  # [Bd, nb]
-    key_mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] bool, None when all full
-    seq_lens: torch.Tensor  # [Bd] context lengths (device)
-    serial: bool = False  # attend on one intra-op thread (see SERIAL_DECODE_MAX_KEYS)
-    windows: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its mask
-
-    def mask(self, window: int | None, num_keys: int) -> torch.Tensor | None:
-        """The key mask of a layer that sees ``window`` keys (None: all), made once per step."""
-        if window is None:
-            return self.key_mask
-        if window not in self.windows:
-            positions = torch.arange(num_keys, device=self.seq_lens.device).view(1, -1)
-            lens = self.seq_lens.view(-1, 1)
-            visible = (positions < lens) & (positions >= lens - window)
-            self.windows[window] = visible.view(len(self.seq_lens), 1, 1, -1)
-        return self.windows[window]
-
-
-@dataclass(slots=True)
-class _Chunk:
-    """One prefill chunk: its own SDPA call, causal against its cached prefix."""
-
-    start: int
-    end: int
-    seq_len: int
-    block_table: torch.Tensor  # [nb]
-    mask: torch.Tensor | None  # [q, seq_len] bool; None means plain causal (no prefix)
-    windows: dict[int | None, torch.Tensor] = field(default_factory=dict)
-
-    def explicit_mask(self, window: int | None) -> torch.Tensor:
-        """The [q, seq_len] mask of a layer that sees ``window`` keys (None: all, causal),
-        made once per step."""
-        if window not in self.windows:
-            query_len = self.end - self.start
-            device = self.block_table.device
-            q_pos = torch.arange(self.seq_len - query_len, self.seq_len, device=device).view(-1, 1)
-            k_pos = torch.arange(self.seq_len, device=device).view(1, -1)
-            visible = k_pos <= q_pos
-            if window is not None:
-                visible &= k_pos > q_pos - window
-            self.windows[window] = visible
-        return self.windows[window]
-
-
-@dataclass(slots=True)
-class _Plan:
-    block_size: int
-    decode: list[_DecodeGroup]
-    chunks: list[_Chunk]
-    # One decode group holding every token of the step in order: its result is the output.
-    whole: bool = False
 
 
 class TorchAttention:
@@ -139,13 +81,13 @@ class TorchAttention:
             # call for every decode row of the step, no masks.
             whole = not chunks and single == list(range(len(seq_lens)))
             index = slice(0, len(single)) if whole else torch.tensor(single, dtype=torch.long)
-            group = _DecodeGroup(
+            group = DecodeGroup(
                 meta.query_start_loc[index],
                 meta.block_tables[index],
                 None,
                 meta.seq_lens[index],
             )
-            meta.plan = _Plan(block_size, [group] if single else [], chunks, whole and bool(single))
+            meta.plan = Plan(block_size, [group] if single else [], chunks, whole and bool(single))
             return
         # NOTE: decode rows sorted by length and batched in groups, so short contexts are not
         # gathered and attended at the longest one's length.
@@ -159,11 +101,11 @@ class TorchAttention:
             decode = [self._decode_group(meta, slice(0, len(single)), seq_lens, block_size)]
         else:
             decode = self._decode_groups(meta, single, seq_lens, block_size)
-        meta.plan = _Plan(block_size, decode, chunks, whole)
+        meta.plan = Plan(block_size, decode, chunks, whole)
 
     def _decode_groups(
         self, meta: AttentionMetadata, single: list[int], seq_lens: list[int], block_size: int
-    ) -> list[_DecodeGroup]:
+    ) -> list[DecodeGroup]:
         """Groups of the decode rows ``single`` (sorted by length) of at most eight rows."""
         if not single:
             return []
@@ -181,7 +123,7 @@ class TorchAttention:
         index: torch.Tensor | slice,
         lens: list[int],
         block_size: int,
-    ) -> _DecodeGroup:
+    ) -> DecodeGroup:
         """The group of decode rows ``index`` (device positions, or a slice) of lengths ``lens``."""
         device = meta.seq_lens.device
         num_blocks = -(-max(lens) // block_size)
@@ -191,7 +133,7 @@ class TorchAttention:
             key_mask = (positions.view(1, -1) < meta.seq_lens[index].view(-1, 1)).view(
                 len(lens), 1, 1, -1
             )
-        return _DecodeGroup(
+        return DecodeGroup(
             meta.query_start_loc[index],
             meta.block_tables[index, :num_blocks],
             key_mask,
@@ -201,7 +143,7 @@ class TorchAttention:
 
     def _chunk(
         self, meta: AttentionMetadata, row: int, start: int, end: int, seq_len: int, block_size: int
-    ) -> _Chunk:
+    ) -> Chunk:
         num_blocks = -(-seq_len // block_size)
         query_len = end - start
         mask = None
@@ -209,7 +151,7 @@ class TorchAttention:
             device = meta.seq_lens.device
             q_pos = torch.arange(seq_len - query_len, seq_len, device=device).view(-1, 1)
             mask = torch.arange(seq_len, device=device).view(1, -1) <= q_pos
-        return _Chunk(start, end, seq_len, meta.block_tables[row, :num_blocks], mask)
+        return Chunk(start, end, seq_len, meta.block_tables[row, :num_blocks], mask)
 
     def whole_decode(
         self, meta: AttentionMetadata
@@ -218,7 +160,7 @@ class TorchAttention:
         row is a decode row attended by the CPU extension (one ``paged_decode`` call a
         layer, as a fused decode step makes it), else None."""
         plan = meta.plan
-        if self.cpu_ops is None or not isinstance(plan, _Plan) or not plan.whole:
+        if self.cpu_ops is None or not isinstance(plan, Plan) or not plan.whole:
             return None
         group = plan.decode[0]
         return group.block_tables, group.seq_lens, plan.block_size
@@ -234,7 +176,7 @@ class TorchAttention:
     ) -> torch.Tensor:
         """See :class:`AttentionBackend`."""
         plan = meta.plan
-        assert isinstance(plan, _Plan)
+        assert isinstance(plan, Plan)
         if self.cpu_ops is not None:
             self.cpu_ops.write_kv(kv_cache, k, v, meta.slot_mapping)
         else:
@@ -256,7 +198,7 @@ class TorchAttention:
         queries: torch.Tensor,
         kv_cache: torch.Tensor,
         blocks: torch.Tensor,
-        group: _DecodeGroup,
+        group: DecodeGroup,
         layer: LayerAttention,
     ) -> torch.Tensor:
         """:meth:`_attend_decode` through the CPU extension's kernel, over the cache itself."""
@@ -277,7 +219,7 @@ class TorchAttention:
         queries: torch.Tensor,
         kv_cache: torch.Tensor,
         blocks: torch.Tensor,
-        group: _DecodeGroup,
+        group: DecodeGroup,
         layer: LayerAttention,
     ) -> torch.Tensor:
         """Attention of one decode group; ``queries`` are its rows [Bd, H, D] (SDPA over the
@@ -294,7 +236,7 @@ class TorchAttention:
         self,
         queries: torch.Tensor,
         blocks: torch.Tensor,
-        group: _DecodeGroup,
+        group: DecodeGroup,
         layer: LayerAttention,
     ) -> torch.Tensor:
         count = queries.shape[0]
@@ -316,7 +258,7 @@ class TorchAttention:
         self,
         q: torch.Tensor,
         blocks: torch.Tensor,
-        chunk: _Chunk,
+        chunk: Chunk,
         out: torch.Tensor,
         layer: LayerAttention,
     ) -> None:
@@ -392,7 +334,7 @@ class TorchGraphAttention:
         seq_lens, tables = self.seq_lens[:size], self.block_tables[:size]
         # NOTE: computed from the static lengths inside the graph, so each replay masks anew.
         key_mask = (self.key_positions.view(1, -1) < seq_lens.view(-1, 1)).view(size, 1, 1, -1)
-        group = _DecodeGroup(self.rows[:size], tables, key_mask, seq_lens)
+        group = DecodeGroup(self.rows[:size], tables, key_mask, seq_lens)
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=self.rows[: size + 1],
@@ -400,7 +342,7 @@ class TorchGraphAttention:
             block_tables=tables,
             max_query_len=1,
             max_seq_len=int(self.key_positions.numel()),
-            plan=_Plan(self.block_size, [group], [], whole=True),
+            plan=Plan(self.block_size, [group], [], whole=True),
         )
 
     def close(self) -> None:

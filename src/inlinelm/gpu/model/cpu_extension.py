@@ -29,6 +29,7 @@ SOURCES = (
     "block_tiles.cpp",
     "block_linear.cpp",
     "block_linear_avx2.cpp",
+    "block_linear_amx.cpp",
     "cpu_ops.cpp",
     "decoder_stack.cpp",
     "bindings.cpp",

@@ -14,7 +14,8 @@
 // and on the default model that alone moved the top-1 token at 2.5% of teacher-forced
 // positions; at 16 bits the blocks' own rounding is all that is left. The second plane
 // costs a second pass of dot products: free where a step reads weights from memory (a few
-// rows), about 1.5-1.7x the time where it computes (many rows).
+// rows), about 1.5-1.7x the time where it computes (many rows). There, from 64 rows on a CPU
+// with AMX, block_linear_amx.cpp takes bfloat16 products instead.
 //
 // Three implementations of one arithmetic: AVX-512 VNNI where the CPU has it (compiled for
 // this machine at first use), AVX2 where it has not, and plain C++ everywhere; the integer
@@ -243,12 +244,18 @@ void tiles_range_plain(const Call& c, int64_t M, int64_t t0, int64_t t1) {
   }
 }
 
-// Which loops run: the fastest this machine has, or slower ones (the same bits from each).
-enum Loops : int64_t { kFastest = 0, kAvx2 = 1, kPlain = 2 };
+// Which loops run: the fastest this machine has for the call's rows (the bfloat16 products
+// from kBf16Rows rows where bf16_ready()), the fastest integer loops, slower integer ones
+// (the same bits from each integer implementation), or the bfloat16 products at any rows.
+enum Loops : int64_t { kFastest = 0, kAvx2 = 1, kPlain = 2, kInteger = 3, kBf16 = 4 };
+
+// From this many rows the bfloat16 products beat the integer loops (the default model's
+// shapes on 2 cores: benchmarks/quantized_cpu.py's kernel table).
+constexpr int64_t kBf16Rows = 64;
 
 void tiles_range(const Call& c, int64_t M, int64_t t0, int64_t t1, int64_t loops) {
 #if INLINELM_VNNI
-  if (loops == kFastest) {
+  if (loops == kFastest || loops == kInteger) {
     if (c.f.kind == kQ8_0) return tiles_range_vnni<kQ8_0>(c, 0, M, t0, t1);
     if (c.f.kind == kQ4_0) return tiles_range_vnni<kQ4_0>(c, 0, M, t0, t1);
     return tiles_range_vnni<kQ4_1>(c, 0, M, t0, t1);
@@ -271,6 +278,8 @@ int64_t tiles_per_pass(const Format& f) {
 
 std::string block_loops() { return INLINELM_VNNI ? "vnni" : avx2_built() ? "avx2" : "plain"; }
 
+bool block_bf16_ready() { return bf16_ready(); }
+
 torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& data, int64_t kind,
                            int64_t rows, int64_t cols, const c10::optional<torch::Tensor>& bias,
                            int64_t loops) {
@@ -286,9 +295,14 @@ torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& data, in
                 "the bias must be ", rows, " contiguous float32 values");
     b = bias->data_ptr<float>();
   }
+  TORCH_CHECK(loops >= kFastest && loops <= kBf16, "unknown loops ", loops);
   const int64_t M = x.size(0);
   auto y = torch::empty({M, rows}, x.options());
   if (M == 0) return y;
+  if (loops == kBf16 || (loops == kFastest && M >= kBf16Rows && bf16_ready())) {
+    linear_bf16(f, data.data_ptr<uint8_t>(), x.data_ptr<float>(), M, b, y.data_ptr<float>());
+    return y;
+  }
   const Activations a = quantize_activations(x.data_ptr<float>(), M, cols);
   const Call c{f, data.data_ptr<uint8_t>(), &a, b, y.data_ptr<float>()};
   // NOTE: tiles split over the threads, 4 at a time (64 rows: a few KiB of weights a

@@ -1,5 +1,6 @@
 // The tiles block-quantized weights live in, and what the block matmul's implementations
-// share (block_linear.cpp: AVX-512 VNNI and plain C++; block_linear_avx2.cpp: AVX2).
+// share (block_linear.cpp: AVX-512 VNNI and plain C++; block_linear_avx2.cpp: AVX2;
+// block_linear_amx.cpp: bfloat16 products on AMX for many rows).
 //
 // The weights live in tiles of 16 rows x 32 columns (one block of each of 16 rows), tile
 // (t, g) at byte (t * G + g) * tile_bytes, rows padded to a multiple of 16 with zeros:
@@ -105,5 +106,11 @@ struct Call {
 // the extension was built with it: avx2_built()).
 bool avx2_built();
 void tiles_range_avx2(const Call& c, int64_t M, int64_t t0, int64_t t1);
+
+// y [M, N] = x [M, K] @ W.T (+ bias) with the weights widened to bfloat16 and AMX's products
+// (block_linear_amx.cpp), where the CPU has AMX and the extension AVX-512 BF16: bf16_ready().
+bool bf16_ready();
+void linear_bf16(const Format& f, const uint8_t* w, const float* x, int64_t M, const float* bias,
+                 float* y);
 
 }  // namespace inlinelm::blocks

@@ -11,7 +11,14 @@ none of 2,048 (``tests/gpu/model/test_blocks.py``); the second plane costs nothi
 decode step reads weights from memory, and 1.5-1.7x the matmul time where many rows
 compute (``benchmarks/quantized_cpu.py``).
 
-The kernel and its tile layout are ``csrc/block_linear.cpp``, built at first use with the
+There, from :data:`BF16_ROWS` rows (a prefill chunk) on a CPU with AMX, the weights are
+widened to bfloat16 a group of rows at a time and multiplied by the input rounded to
+bfloat16 with AMX's tile products, summed in float32 (``csrc/block_linear_amx.cpp``): 8
+significant bits an input value rather than 16 a block, at 1.5-2x the integer loops' speed
+for the default model's prefill, and teacher-forced quality per GGUF type level with
+llama.cpp's (the README's performance section).
+
+The kernels and the tile layout are ``csrc/block_linear.cpp``, built at first use with the
 project's other CPU kernels (:mod:`inlinelm.gpu.model.cpu_extension`); where they cannot be
 built the layers stay float.
 """
@@ -92,10 +99,13 @@ class BlockWeight:
     def matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None, loops: str = "fastest"
     ) -> torch.Tensor:
-        """``x @ W.T + bias`` for ``x`` [..., cols] of any float dtype, ``x`` rounded per
-        block of 32 to 16 bits (see the module's docstring). ``loops`` picks the kernel's
-        implementation, which all give the same bits (for the tests): ``"fastest"`` (AVX-512
-        VNNI where the CPU has it, else AVX2, else plain C++), ``"avx2"``, ``"plain"``."""
+        """``x @ W.T + bias`` for ``x`` [..., cols] of any float dtype (see the module's
+        docstring for the two ways it computes). ``loops`` picks the kernel's
+        implementation: ``"fastest"`` (bfloat16 products from :data:`BF16_ROWS` rows where
+        :func:`bf16_ready`, else the integer loops), ``"integer"`` (the fastest integer
+        loops: AVX-512 VNNI where the CPU has it, else AVX2, else plain C++), ``"avx2"`` and
+        ``"plain"`` (the integer loops' slower implementations, which give the same bits),
+        ``"bfloat16"`` (the bfloat16 products at any rows, where :func:`bf16_ready`)."""
         flat = x.reshape(-1, self.cols)
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.float().contiguous()
@@ -106,13 +116,25 @@ class BlockWeight:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-_LOOPS = {"fastest": 0, "avx2": 1, "plain": 2}  # csrc/block_linear.cpp's Loops
+_LOOPS = {"fastest": 0, "avx2": 1, "plain": 2, "integer": 3, "bfloat16": 4}
+"""csrc/block_linear.cpp's ``Loops``."""
+
+BF16_ROWS = 64
+"""From this many rows ``"fastest"`` takes the bfloat16 products where it can
+(``csrc/block_linear.cpp``'s ``kBf16Rows``)."""
 
 
 def fastest_loops() -> str:
-    """The loops the kernel runs here: ``"vnni"``, ``"avx2"`` or ``"plain"``."""
+    """The integer loops the kernel runs here: ``"vnni"``, ``"avx2"`` or ``"plain"``."""
     loops: str = _kernel().block_loops()
     return loops
+
+
+def bf16_ready() -> bool:
+    """Whether the kernel takes bfloat16 products on this CPU's AMX for many rows
+    (``csrc/block_linear_amx.cpp``)."""
+    ready: bool = _kernel().block_bf16_ready()
+    return ready
 
 
 def _kernel() -> Any:

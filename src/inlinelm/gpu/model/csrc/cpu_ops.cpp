@@ -171,28 +171,82 @@ struct DecodeArgs {
   float scale, softcap;
 };
 
+// Keys [lo, len) of one sequence page by page: a page's slots are adjacent, so its keys
+// are one strided run. visit(i, offset) for key lo + i at offset (of kv head kvh) in a cache.
+template <typename Visit>
+inline void for_each_key(const DecodeArgs& a, int64_t kvh, int64_t lo, int64_t len, Visit&& visit) {
+  const int64_t bs = a.block_size, stride = a.kv_heads * a.D;
+  for (int64_t page = lo / bs, j = lo; j < len; ++page) {
+    const int64_t end = std::min(len, (page + 1) * bs);
+    for (int64_t slot = a.table[page] * bs + j - page * bs; j < end; ++j, ++slot)
+      visit(j - lo, slot * stride + kvh * a.D);
+  }
+}
+
+#if INLINELM_VEC
+// decode_head for D = NV vectors: one query head at a time, its query and its sum of
+// values in registers (the same operations in the same order as the loops below, so the
+// same bits; the sum no longer goes through memory for every key).
+template <int NV>
+void decode_head_vec(const DecodeArgs& a, int64_t kvh, int64_t lo, int64_t len, float* scores,
+                     float* out, int64_t out_head_stride) {
+  const int64_t n = len - lo, G = a.G;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = a.q + (kvh * G + g) * a.q_head_stride;
+    float* sg = scores + g * n;
+    Vec q[NV];
+    for (int v = 0; v < NV; ++v) q[v] = load(qg + v * kLanes);
+    float best = -std::numeric_limits<float>::infinity();
+    for_each_key(a, kvh, lo, len, [&](int64_t i, int64_t at) {
+      const float* k = a.keys + at;
+      Vec acc = zero();
+      for (int v = 0; v < NV; ++v) acc = fma(q[v], load(k + v * kLanes), acc);
+      float s = total(acc) * a.scale;
+      if (a.softcap > 0.0f) s = a.softcap * std::tanh(s / a.softcap);
+      sg[i] = s;
+      best = std::max(best, s);
+    });
+    const float inv = 1.0f / exp_shifted(sg, n, best);
+    Vec acc[NV];
+    for (int v = 0; v < NV; ++v) acc[v] = zero();
+    for_each_key(a, kvh, lo, len, [&](int64_t i, int64_t at) {
+      const float* x = a.values + at;
+      const Vec w = splat(sg[i]);
+      for (int v = 0; v < NV; ++v) acc[v] = fma(w, load(x + v * kLanes), acc[v]);
+    });
+    float* y = out + (kvh * G + g) * out_head_stride;
+    for (int v = 0; v < NV; ++v) store(y + v * kLanes, mul(acc[v], splat(inv)));
+  }
+}
+#endif
+
 void decode_head(const DecodeArgs& a, int64_t kvh, int64_t lo, int64_t len, float* scores,
                  float* acc, float* out, int64_t out_head_stride) {
-  const int64_t n = len - lo, D = a.D, G = a.G, bs = a.block_size;
+  const int64_t n = len - lo, D = a.D, G = a.G;
+#if INLINELM_VEC
+  switch (D) {
+    case 4 * kLanes: return decode_head_vec<4>(a, kvh, lo, len, scores, out, out_head_stride);
+    case 8 * kLanes: return decode_head_vec<8>(a, kvh, lo, len, scores, out, out_head_stride);
+    default: break;
+  }
+#endif
   std::vector<float> best(G, -std::numeric_limits<float>::infinity());
-  for (int64_t j = lo; j < len; ++j) {
-    const int64_t slot = a.table[j / bs] * bs + j % bs;
-    const float* k = a.keys + (slot * a.kv_heads + kvh) * D;
+  for_each_key(a, kvh, lo, len, [&](int64_t i, int64_t at) {
+    const float* k = a.keys + at;
     for (int64_t g = 0; g < G; ++g) {
       float s = dot(a.q + (kvh * G + g) * a.q_head_stride, k, D) * a.scale;
       if (a.softcap > 0.0f) s = a.softcap * std::tanh(s / a.softcap);
-      scores[g * n + (j - lo)] = s;
+      scores[g * n + i] = s;
       best[g] = std::max(best[g], s);
     }
-  }
+  });
   std::vector<float> sums(G);
   for (int64_t g = 0; g < G; ++g) sums[g] = exp_shifted(scores + g * n, n, best[g]);
   std::fill(acc, acc + G * D, 0.0f);
-  for (int64_t j = lo; j < len; ++j) {
-    const int64_t slot = a.table[j / bs] * bs + j % bs;
-    const float* v = a.values + (slot * a.kv_heads + kvh) * D;
-    for (int64_t g = 0; g < G; ++g) axpy(acc + g * D, scores[g * n + (j - lo)], v, D);
-  }
+  for_each_key(a, kvh, lo, len, [&](int64_t i, int64_t at) {
+    const float* v = a.values + at;
+    for (int64_t g = 0; g < G; ++g) axpy(acc + g * D, scores[g * n + i], v, D);
+  });
   for (int64_t g = 0; g < G; ++g) {
     const float inv = 1.0f / sums[g];
     float* y = out + (kvh * G + g) * out_head_stride;

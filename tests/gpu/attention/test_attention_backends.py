@@ -3,7 +3,6 @@ CPU through the stand-in ``flashinfer`` (tests/gpu/fakes.py), on CUDA for real."
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 import types
@@ -228,32 +227,6 @@ def test_flashinfer_refuses_no_kinds_bad_windows_and_caps_and_kinds_it_was_not_b
     with pytest.raises(ValueError, match="no FlashInfer plan for"):
         backend.forward(step.q, step.k, step.v, cache, meta, LayerAttention(8**-0.5, 5))
     assert torch.equal(cache, step.kv_cache)  # refused before the K/V write
-
-
-def test_the_torch_backend_attends_prefill_chunks_in_the_dtype_asked_and_decode_rows_as_before() -> (
-    None
-):
-    # a chunk over a cached prefix, a chunk from nothing, a decode row (the last row)
-    step = make_step(Shape(16, 6, 2, 64), [(20, 30), (0, 45), (37, 1)], seed=3)
-    want, _ = run_backend(TorchAttention(6, 2, 64), step, 16)
-    low = TorchAttention(6, 2, 64)
-    low.attend_prefill_in(BF16)
-    got, cache = run_backend(low, step, 16)
-    assert got.dtype == torch.float32 and torch.equal(got[-1], want[-1])
-    assert torch.equal(cache, run_backend(TorchAttention(6, 2, 64), step, 16)[1])
-    # the chunks: float32 attention over the inputs rounded to bfloat16, within the
-    # rounding of the probabilities (2^-9 each, relative) that weigh the values
-    rounded = dataclasses.replace(
-        step,
-        q=step.q.to(BF16).float(),
-        k=step.k.to(BF16).float(),
-        v=step.v.to(BF16).float(),
-        kv_cache=step.kv_cache.to(BF16).float(),
-    )
-    exact, _ = run_backend(TorchAttention(6, 2, 64), rounded, 16)
-    scale = step.kv_cache[1].abs().max().clamp_min(step.v.abs().max())
-    assert ((got[:-1] - exact[:-1]).abs() <= 2**-7 * scale).all()
-    assert not torch.equal(got[:-1], want[:-1])
 
 
 def test_the_torch_graph_attention_caps_its_largest_size_by_the_keys_it_gathers() -> None:

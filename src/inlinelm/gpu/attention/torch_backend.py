@@ -63,15 +63,6 @@ class TorchAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.cpu_ops = cpu_ops
-        self.prefill_dtype: torch.dtype | None = None
-
-    def attend_prefill_in(self, dtype: torch.dtype) -> None:
-        """Attend prefill chunks (those of layers without a window or soft cap: torch's
-        SDPA) with queries, keys and values rounded to ``dtype``, the output back in the
-        model's. A block-quantized model whose prefill matmuls take bfloat16 products
-        (:func:`~inlinelm.gpu.model.layers.blocks.bf16_ready`) attends so too: on AMX,
-        SDPA takes a third of float32's time (2.5-3x at 128-500 tokens, 2 cores)."""
-        self.prefill_dtype = dtype
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Split the step into decode groups and prefill chunks."""
@@ -280,11 +271,10 @@ class TorchAttention:
         queries = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         if layer.sliding_window is None and layer.softcap is None:
-            dtype = self.prefill_dtype or queries.dtype
             result = F.scaled_dot_product_attention(
-                queries.to(dtype),
-                keys.to(dtype),
-                values.to(dtype),
+                queries,
+                keys,
+                values,
                 attn_mask=chunk.mask,
                 is_causal=chunk.mask is None,
                 scale=layer.scale,

@@ -19,7 +19,6 @@ import torch
 
 from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.attention.metadata import AttentionBackend
-from inlinelm.gpu.attention.torch_backend import TorchAttention
 from inlinelm.gpu.loading.block_weights import (
     BlockPlan,
     BlockRows,
@@ -36,7 +35,6 @@ from inlinelm.gpu.loading.quantization import stored_types
 from inlinelm.gpu.model.config import ModelConfig
 from inlinelm.gpu.model.decoder_stack import DecoderStack
 from inlinelm.gpu.model.kernels import Kernels
-from inlinelm.gpu.model.layers.blocks import bf16_ready
 from inlinelm.gpu.model.layers.linear import Linear, onednn_packing_available
 from inlinelm.gpu.model.layers.moe import SparseMoE
 from inlinelm.gpu.model.models.decoder import DecoderModel
@@ -106,8 +104,6 @@ def load_model(
     if onednn_packing_available(device, dtype):
         _pack_for_onednn(model)
     model.use_decoder_stack(DecoderStack.of(model))
-    if plan and isinstance(backend, TorchAttention) and bf16_ready():
-        backend.attend_prefill_in(torch.bfloat16)
     logger.info("loaded %s weights in %.2f s", folder.name, time.perf_counter() - start)
     # NOTE: inference only: no parameter asks autograd to record (a graph capture outside
     # inference mode would otherwise trip over the in-place KV-cache writes).

@@ -31,10 +31,11 @@ SOURCES = (
     "block_linear_avx2.cpp",
     "block_linear_amx.cpp",
     "cpu_ops.cpp",
+    "paged_attention.cpp",
     "decoder_stack.cpp",
     "bindings.cpp",
 )
-HEADERS = ("ops.h", "vec.h", "block_tiles.h")
+HEADERS = ("ops.h", "vec.h", "block_tiles.h", "cpu_checks.h")
 
 STALE_LOCK_S = 600.0
 """A build lock older than this was left by a build that was killed (one takes ~40 s)."""

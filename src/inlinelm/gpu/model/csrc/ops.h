@@ -31,6 +31,7 @@ void add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor
 void rope(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos_sin_cache);
 torch::Tensor silu_and_mul(const torch::Tensor& x);
 torch::Tensor gelu_tanh_and_mul(const torch::Tensor& x);
+// paged_attention.cpp
 void write_kv(torch::Tensor& kv_cache, const torch::Tensor& k, const torch::Tensor& v,
               const torch::Tensor& slots);
 torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache,

@@ -4,7 +4,8 @@ weights), side by side in one run.
 
 (a) the linear layers of one decode step (every matmul shape of the default model, timed
     alone, summed over a step's 121 calls) at 1, 32 and 256 rows: oneDNN's packed float32
-    (the float path), our block kernel with the model's kinds and with Q8_0 throughout,
+    (the float path), our block kernel with the model's kinds (as the engine runs it, and
+    its integer loops alone) and with Q8_0 throughout,
     and for reference torch's fbgemm int8 linear (per-channel int8 weights, the input on
     one scale per call);
 (b) one request, 64 new tokens: ms per token, the two engines alternately, three times each
@@ -41,7 +42,10 @@ MODES = ("none", "auto")
 
 
 OURS = "ours, the model's kinds"
-KERNELS = ["float32 oneDNN", OURS, "ours, Q8_0", "fbgemm int8"]
+INTEGER = "ours, the model's kinds, integer loops"
+KERNELS = ["float32 oneDNN", OURS, INTEGER, "ours, Q8_0", "fbgemm int8"]
+"""``OURS`` is what the engine runs (``"fastest"``: from 64 rows, bfloat16 products where
+the CPU has AMX); ``INTEGER`` forces the integer loops at every row count."""
 
 
 def _blocks(weight: torch.Tensor, kind: str) -> Any:
@@ -61,9 +65,10 @@ def _kernel(name: str, weight: torch.Tensor, x: torch.Tensor) -> Any:
         return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     if name.startswith("ours"):
         # NOTE: the model's kinds: Q4_1 layers, the tied LM head (the vocabulary's rows) Q8_0
-        q4 = name == OURS and weight.shape[0] != SHAPES[-1][0]
+        q4 = name in (OURS, INTEGER) and weight.shape[0] != SHAPES[-1][0]
         blocks = _blocks(weight, "Q4_1" if q4 else "Q8_0")
-        return lambda: blocks.matmul(x, None)
+        loops = "integer" if name == INTEGER else "fastest"
+        return lambda: blocks.matmul(x, None, loops)
     scale = weight.abs().amax(dim=1) / 127
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

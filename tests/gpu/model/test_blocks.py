@@ -6,7 +6,8 @@ quality.
 - the integer loops compute ``x^ @ W.T + b`` to float32's rounding, where ``W`` is the
   blocks' exact values and ``x^`` the input rounded per block of 32 to 16 bits (every kind,
   row counts that take each path, rows and columns that leave tails), AVX-512 VNNI, AVX2
-  and the plain loops to the same bits where the CPU has them, and ``x^`` within a 16-bit
+  and the plain loops, and AMX's int8 tile products, to the same bits where the CPU has
+  them (AMX from 16 rows in "fastest", any rows forced), and ``x^`` within a 16-bit
   step of ``x`` in each block, each block on its own scale;
 - on a CPU with AMX, the bfloat16 products compute ``bf16(x) @ bf16(W).T + b`` to
   float32's rounding (weights widened in several groups of rows too), and ``"fastest"``
@@ -40,6 +41,7 @@ from inlinelm.gpu.model.layers.blocks import (
     BF16_ROWS,
     BLOCK,
     BlockWeight,
+    amx_ready,
     bf16_ready,
     dequantize_blocks,
     fastest_loops,
@@ -52,8 +54,11 @@ from tests.gpu.reference import folder_tensors, load_ours, prefill_logits
 pytestmark = pytest.mark.skipif(cpu_extension() is None, reason="the CPU extension did not build")
 
 KINDS = ("Q8_0", "Q4_0", "Q4_1")
-SLOWER = {"vnni": ["avx2", "plain"], "avx2": ["plain"], "plain": []}[fastest_loops()]
-"""The kernel's slower loops on this CPU, which compute what its fastest do."""
+SAME_BITS = {"vnni": ["avx2", "plain"], "avx2": ["plain"], "plain": []}[fastest_loops()] + (
+    ["amx"] if amx_ready() else []
+)
+"""The kernel's other integer loops on this CPU (its slower ones, and AMX's int8 tiles where
+it has them), which compute what its fastest do, to the bit."""
 U = torch.finfo(torch.float32).eps / 2
 CPU = torch.device("cpu")
 
@@ -157,7 +162,7 @@ def test_the_kernel_is_the_exact_product_of_the_rounded_input(
         exact, bound = reference(x, values, sums, bias)
         assert got.shape == (rows, out) and got.dtype == torch.float32
         assert ((got.double() - exact).abs() <= bound).all()
-        for loops in SLOWER:
+        for loops in SAME_BITS:
             assert torch.equal(weight.matmul(x, bias, loops), got), loops
 
 
@@ -243,6 +248,7 @@ def test_bad_calls_are_refused_before_any_read() -> None:
         (lambda: kernel.block_linear(torch.zeros(2, 64), data, 7, 20, 64, None, 0), "kind"),
         (lambda: kernel.block_linear(torch.zeros(2, 48), data, q80, 20, 48, None, 0), "blocks"),
         (lambda: kernel.block_linear(torch.zeros(2, 64), data, q80, 20, 64, torch.zeros(3), 0), "bias"),
+        (lambda: kernel.block_linear(torch.zeros(2, 64), data, q80, 20, 64, None, 9), "loops"),
         (lambda: kernel.block_rows(data, q80, 20, 64, torch.tensor([20])), "outside"),
         (lambda: kernel.block_rows(data, q80, 20, 64, torch.tensor([-1])), "outside"),
         (lambda: kernel.block_pack(data, q80, 20, 64, 19, torch.zeros(2, 68, dtype=torch.uint8)), "outside"),
@@ -274,13 +280,14 @@ def checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
     return weights  # fmt: skip
 
 
-@pytest.mark.parametrize("length", [40, pytest.param(80, marks=bf16_only)])
+@pytest.mark.parametrize("length", [8, 40, pytest.param(80, marks=bf16_only)])
 def test_every_layer_of_a_quantized_model_computes_its_checkpoint_weights(
     tiny_model_dir: Path, length: int
 ) -> None:
     """With ``"int8"``, each linear layer (fused, and the tied head) computes the Q8_0
-    blocks of its checkpoint weights on the input it was given in a forward (40 rows: the
-    integer loops; 80: the bfloat16 products), and the embedding looks their rows up."""
+    blocks of its checkpoint weights on the input it was given in a forward (8 rows: the
+    integer loops; 40: AMX's int8 tiles where the CPU has them; 80: the bfloat16 products),
+    and the embedding looks their rows up."""
     ours = load_ours(tiny_model_dir, "int8")
     weights = checkpoint_weights(tiny_model_dir)
     modules = dict(ours.named_modules())

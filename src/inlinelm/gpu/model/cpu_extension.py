@@ -30,6 +30,7 @@ SOURCES = (
     "block_linear.cpp",
     "block_linear_avx2.cpp",
     "block_linear_amx.cpp",
+    "block_linear_amx_int8.cpp",
     "cpu_ops.cpp",
     "paged_attention.cpp",
     "decoder_stack.cpp",

@@ -27,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("block_loops", &block_loops, "the fastest loops block_linear runs here");
   m.def("block_bf16_ready", &block_bf16_ready, "whether block_linear has AMX's bfloat16 products");
+  m.def("block_amx_ready", &block_amx_ready, "whether block_linear's integer loops run on AMX's int8 tiles");
   m.def("block_packed_bytes", &block_packed_bytes, "bytes of a [rows, cols] matrix's tiles");
   m.def("block_pack", &block_pack, "GGUF blocks of rows [row0, row0 + n) into the tiles",
         release());

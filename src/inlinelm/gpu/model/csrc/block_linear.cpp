@@ -17,10 +17,11 @@
 // rows), about 1.5-1.7x the time where it computes (many rows). There, from 64 rows on a CPU
 // with AMX, block_linear_amx.cpp takes bfloat16 products instead.
 //
-// Three implementations of one arithmetic: AVX-512 VNNI where the CPU has it (compiled for
-// this machine at first use), AVX2 where it has not, and plain C++ everywhere; the integer
-// sums are exact and the float steps are the same operations in the same order, so all give
-// the same bits.
+// Four implementations of one arithmetic: AMX's int8 tiles for 16 to 63 rows where the CPU
+// has them (block_linear_amx_int8.cpp), AVX-512 VNNI where it has that (compiled for this
+// machine at first use), AVX2 where it has not, and plain C++ everywhere; the integer sums
+// are exact and the float steps are the same operations in the same order, so all give the
+// same bits.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -69,17 +70,19 @@ inline std::pair<int32_t, int32_t> quantize_block(const float* x, float inv, int
 #endif
 }
 
-Activations quantize_activations(const float* x, int64_t M, int64_t K) {
+// The activations' planes and sums, rows past M (to padded rows) zero.
+Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t padded) {
   const int64_t G = K / kBlock;
   Activations a{M,
                 K,
                 G,
-                std::vector<int8_t>(M * K),
-                std::vector<int8_t>(M * K),
-                std::vector<float>(M * G),
-                std::vector<float>(M * G),
-                std::vector<int32_t>(M * G),
-                std::vector<int32_t>(M * G)};
+                padded,
+                std::vector<int8_t>(padded * K),
+                std::vector<int8_t>(padded * K),
+                std::vector<float>(padded * G),
+                std::vector<float>(padded * G),
+                std::vector<int32_t>(padded * G),
+                std::vector<int32_t>(padded * G)};
   at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t g = 0; g < G; ++g) {
@@ -131,27 +134,6 @@ void tile_plain(const Call& c, int64_t r0, int64_t t) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define INLINELM_VNNI 1
-
-inline __m512 load_halves(const uint16_t* h) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-}
-
-// A tile's block of weights as 8 quads of 16 rows x 4 bytes (what a Q8_0 tile holds): a Q4
-// tile's 4 chunks split into their low nibbles (quads 0, 2, 4, 6) and high ones (1, 3, 5, 7).
-template <int64_t KIND>
-inline const uint8_t* quads(const uint8_t* weights, uint8_t* buffer) {
-  if constexpr (KIND == kQ8_0) {
-    return weights;
-  } else {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int chunk = 0; chunk < 4; ++chunk) {
-      const __m512i raw = _mm512_loadu_si512(weights + chunk * 64);
-      _mm512_storeu_si512(buffer + chunk * 128, _mm512_and_si512(raw, low));
-      _mm512_storeu_si512(buffer + chunk * 128 + 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
-    }
-    return buffer;
-  }
-}
 
 // One plane of R activation rows (x, row stride K, at the block) into the NB tiles' sums.
 template <int R, int NB>
@@ -245,15 +227,19 @@ void tiles_range_plain(const Call& c, int64_t M, int64_t t0, int64_t t1) {
 }
 
 // Which loops run: the fastest this machine has for the call's rows (the bfloat16 products
-// from kBf16Rows rows where bf16_ready()), the fastest integer loops, slower integer ones
-// (the same bits from each integer implementation), or the bfloat16 products at any rows.
-enum Loops : int64_t { kFastest = 0, kAvx2 = 1, kPlain = 2, kInteger = 3, kBf16 = 4 };
+// from kBf16Rows rows where bf16_ready(), AMX's int8 tiles from kAmxRows where
+// amx_ready()), the fastest integer loops, other integer ones (the same bits from each
+// integer implementation), or the bfloat16 products at any rows.
+enum Loops : int64_t { kFastest = 0, kAvx2 = 1, kPlain = 2, kInteger = 3, kBf16 = 4, kAmx = 5 };
 
 // From this many rows the bfloat16 products beat the integer loops (the default model's
 // shapes on 2 cores: benchmarks/quantized_cpu.py's kernel table).
 constexpr int64_t kBf16Rows = 64;
+constexpr int64_t kAmxRows = 16;  // AMX multiplies 16 rows a tile: fewer would be padding
 
 void tiles_range(const Call& c, int64_t M, int64_t t0, int64_t t1, int64_t loops) {
+  if (loops == kAmx || (loops == kFastest && M >= kAmxRows && amx_ready()))
+    return tiles_range_amx(c, M, t0, t1);
 #if INLINELM_VNNI
   if (loops == kFastest || loops == kInteger) {
     if (c.f.kind == kQ8_0) return tiles_range_vnni<kQ8_0>(c, 0, M, t0, t1);
@@ -280,6 +266,8 @@ std::string block_loops() { return INLINELM_VNNI ? "vnni" : avx2_built() ? "avx2
 
 bool block_bf16_ready() { return bf16_ready(); }
 
+bool block_amx_ready() { return amx_ready(); }
+
 torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& data, int64_t kind,
                            int64_t rows, int64_t cols, const c10::optional<torch::Tensor>& bias,
                            int64_t loops) {
@@ -295,7 +283,8 @@ torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& data, in
                 "the bias must be ", rows, " contiguous float32 values");
     b = bias->data_ptr<float>();
   }
-  TORCH_CHECK(loops >= kFastest && loops <= kBf16, "unknown loops ", loops);
+  TORCH_CHECK(loops >= kFastest && loops <= kAmx, "unknown loops ", loops);
+  TORCH_CHECK(loops != kAmx || amx_ready(), "the AMX loops need AMX-INT8");
   const int64_t M = x.size(0);
   auto y = torch::empty({M, rows}, x.options());
   if (M == 0) return y;
@@ -303,7 +292,7 @@ torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& data, in
     linear_bf16(f, data.data_ptr<uint8_t>(), x.data_ptr<float>(), M, b, y.data_ptr<float>());
     return y;
   }
-  const Activations a = quantize_activations(x.data_ptr<float>(), M, cols);
+  const Activations a = quantize_activations(x.data_ptr<float>(), M, cols, (M + 15) / 16 * 16);
   const Call c{f, data.data_ptr<uint8_t>(), &a, b, y.data_ptr<float>()};
   // NOTE: tiles split over the threads, 4 at a time (64 rows: a few KiB of weights a
   // group), every activation row against each, so a tile is read from memory once.

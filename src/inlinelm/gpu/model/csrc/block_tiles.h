@@ -1,6 +1,7 @@
 // The tiles block-quantized weights live in, and what the block matmul's implementations
 // share (block_linear.cpp: AVX-512 VNNI and plain C++; block_linear_avx2.cpp: AVX2;
-// block_linear_amx.cpp: bfloat16 products on AMX for many rows).
+// block_linear_amx_int8.cpp: AMX's int8 tiles; block_linear_amx.cpp: bfloat16 products on
+// AMX for many rows).
 //
 // The weights live in tiles of 16 rows x 32 columns (one block of each of 16 rows), tile
 // (t, g) at byte (t * G + g) * tile_bytes, rows padded to a multiple of 16 with zeros:
@@ -10,7 +11,8 @@
 // 128 * sum xq). Q4's are 4 chunks: chunk c holds, for lane j, 4 bytes whose low nibbles are
 // q[8c .. 8c+3] and high nibbles q[8c+4 .. 8c+7]. A vector load is then one quad of 16 rows,
 // which one instruction multiplies by a broadcast quad of one activation row: 16 rows' sums
-// in the 16 lanes, no horizontal sums. A tile takes the GGUF block's bytes (34, 18, 20 per
+// in the 16 lanes, no horizontal sums; the 8 quads are also the B operand of AMX's int8 tile
+// multiply (8 rows of 16 x 4 bytes), as they lie. A tile takes the GGUF block's bytes (34, 18, 20 per
 // 32 weights), so weights kept this way take the file's size.
 #pragma once
 
@@ -83,6 +85,7 @@ inline const uint16_t* tile_m(const uint8_t* tile) {
 // and its rounded sum xd * (256 sum xh + sum xl).
 struct Activations {
   int64_t rows, cols, groups;
+  int64_t padded_rows;  // rows the planes and sums hold (zeros past rows)
   std::vector<int8_t> high, low;
   std::vector<float> d, sum;
   std::vector<int32_t> high_sum, low_sum;
@@ -93,6 +96,29 @@ struct Activations {
 inline int32_t start_of(int64_t kind, int32_t plane_sum) {
   return kind == kQ8_0 ? -128 * plane_sum : kind == kQ4_0 ? -8 * plane_sum : 0;
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load_halves(const uint16_t* h) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+}
+
+// A tile's block of weights as 8 quads of 16 rows x 4 bytes (what a Q8_0 tile holds): a Q4
+// tile's 4 chunks split into their low nibbles (quads 0, 2, 4, 6) and high ones (1, 3, 5, 7).
+template <int64_t KIND>
+inline const uint8_t* quads(const uint8_t* weights, uint8_t* buffer) {
+  if constexpr (KIND == kQ8_0) {
+    return weights;
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int chunk = 0; chunk < 4; ++chunk) {
+      const __m512i raw = _mm512_loadu_si512(weights + chunk * 64);
+      _mm512_storeu_si512(buffer + chunk * 128, _mm512_and_si512(raw, low));
+      _mm512_storeu_si512(buffer + chunk * 128 + 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+    }
+    return buffer;
+  }
+}
+#endif
 
 struct Call {
   Format f;
@@ -106,6 +132,12 @@ struct Call {
 // the extension was built with it: avx2_built()).
 bool avx2_built();
 void tiles_range_avx2(const Call& c, int64_t M, int64_t t0, int64_t t1);
+
+// Rows [0, M) of c against tiles [t0, t1) with AMX's int8 tile products (block_linear_amx_int8.cpp),
+// where the CPU has AMX-INT8 and the extension was built for it: amx_ready(). The same bits
+// as the integer loops; the activations padded to a multiple of 16 rows.
+bool amx_ready();
+void tiles_range_amx(const Call& c, int64_t M, int64_t t0, int64_t t1);
 
 // y [M, N] = x [M, K] @ W.T (+ bias) with the weights widened to bfloat16 and AMX's products
 // (block_linear_amx.cpp), where the CPU has AMX and the extension AVX-512 BF16: bf16_ready().

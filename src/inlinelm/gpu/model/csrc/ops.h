@@ -14,6 +14,7 @@
 // kernel's tiles (a flat uint8 tensor of block_packed_bytes)
 std::string block_loops();  // the fastest loops block_linear runs here
 bool block_bf16_ready();     // whether block_linear takes bfloat16 products on AMX here
+bool block_amx_ready();      // whether its integer loops run on AMX's int8 tiles here
 int64_t block_packed_bytes(int64_t kind, int64_t rows, int64_t cols);
 void block_pack(torch::Tensor& data, int64_t kind, int64_t rows, int64_t cols, int64_t row0,
                 const torch::Tensor& blocks);

@@ -16,7 +16,10 @@ widened to bfloat16 a group of rows at a time and multiplied by the input rounde
 bfloat16 with AMX's tile products, summed in float32 (``csrc/block_linear_amx.cpp``): 8
 significant bits an input value rather than 16 a block, at 1.5-2x the integer loops' speed
 for the default model's prefill, and teacher-forced quality per GGUF type level with
-llama.cpp's (the README's performance section).
+llama.cpp's (the README's performance section). Between :data:`AMX_ROWS` and
+:data:`BF16_ROWS` rows (a decode step of many sequences) the integer loops' dot products are
+taken by AMX's int8 tile products instead of VNNI's (``csrc/block_linear_amx_int8.cpp``):
+the same bits, 1.2-1.4x faster.
 
 The kernels and the tile layout are ``csrc/block_linear.cpp``, built at first use with the
 project's other CPU kernels (:mod:`inlinelm.gpu.model.cpu_extension`); where they cannot be
@@ -102,10 +105,12 @@ class BlockWeight:
         """``x @ W.T + bias`` for ``x`` [..., cols] of any float dtype (see the module's
         docstring for the two ways it computes). ``loops`` picks the kernel's
         implementation: ``"fastest"`` (bfloat16 products from :data:`BF16_ROWS` rows where
-        :func:`bf16_ready`, else the integer loops), ``"integer"`` (the fastest integer
-        loops: AVX-512 VNNI where the CPU has it, else AVX2, else plain C++), ``"avx2"`` and
-        ``"plain"`` (the integer loops' slower implementations, which give the same bits),
-        ``"bfloat16"`` (the bfloat16 products at any rows, where :func:`bf16_ready`)."""
+        :func:`bf16_ready`, AMX's int8 tile products from :data:`AMX_ROWS` where
+        :func:`amx_ready`, else the integer loops), ``"integer"`` (the fastest integer
+        loops: AVX-512 VNNI where the CPU has it, else AVX2, else plain C++), ``"amx"``,
+        ``"avx2"`` and ``"plain"`` (the integer loops' other implementations, which give
+        the same bits; ``"amx"`` where :func:`amx_ready`), ``"bfloat16"`` (the bfloat16
+        products at any rows, where :func:`bf16_ready`)."""
         flat = x.reshape(-1, self.cols)
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.float().contiguous()
@@ -116,12 +121,16 @@ class BlockWeight:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
-_LOOPS = {"fastest": 0, "avx2": 1, "plain": 2, "integer": 3, "bfloat16": 4}
+_LOOPS = {"fastest": 0, "avx2": 1, "plain": 2, "integer": 3, "bfloat16": 4, "amx": 5}
 """csrc/block_linear.cpp's ``Loops``."""
 
 BF16_ROWS = 64
 """From this many rows ``"fastest"`` takes the bfloat16 products where it can
 (``csrc/block_linear.cpp``'s ``kBf16Rows``)."""
+
+AMX_ROWS = 16
+"""From this many rows (below :data:`BF16_ROWS`) ``"fastest"`` takes AMX's int8 tile
+products where it can (``kAmxRows``): a tile multiply takes 16 rows."""
 
 
 def fastest_loops() -> str:
@@ -134,6 +143,13 @@ def bf16_ready() -> bool:
     """Whether the kernel takes bfloat16 products on this CPU's AMX for many rows
     (``csrc/block_linear_amx.cpp``)."""
     ready: bool = _kernel().block_bf16_ready()
+    return ready
+
+
+def amx_ready() -> bool:
+    """Whether the kernel takes the integer loops' dot products on this CPU's AMX
+    (``csrc/block_linear_amx_int8.cpp``)."""
+    ready: bool = _kernel().block_amx_ready()
     return ready
 
 

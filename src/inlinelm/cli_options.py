@@ -40,6 +40,7 @@ ENGINE_HELP: dict[str, str] = {
     "num_threads": "CPU threads for the model; default: the cores other processes leave idle, re-checked every second",
     "dtype": 'weight and activation dtype; "auto": bfloat16 on CUDA, float32 on CPU',
     "quantization": 'block-quantized linear weights on a CPU; "auto": the layers a GGUF file holds quantized, in its own blocks, "int8": all (Q8_0), "none": float',
+    "kv_cache_dtype": '"auto": float16 on a CPU where the linear weights are block-quantized (as llama.cpp), else the model\'s dtype; "float32" or "float16" on a CPU',
     "attention_backend": '"auto": FlashInfer kernels on CUDA when flashinfer imports, else torch',
     "seed": "the engine's base random seed (requests without a seed draw from it)",
     "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's own",

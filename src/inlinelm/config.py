@@ -15,6 +15,7 @@ from inlinelm.sampling_params import SamplingParams
 RunnerKind = Literal["model", "echo"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 QuantizationName = Literal["auto", "int8", "none"]
+KVCacheDTypeName = Literal["auto", "float32", "float16"]
 AttentionBackendName = Literal["auto", "flashinfer", "torch"]
 
 DEFAULT_CUDA_GRAPH_MEMORY_BYTES = 512 * 1024**2
@@ -119,6 +120,10 @@ class EngineConfig:
     # checkpoints stay float), "int8" for every one (Q8_0), "none" to dequantize them all to
     # dtype. CUDA keeps float weights (see weight_quantization).
     quantization: QuantizationName = "auto"
+    # The KV cache's dtype on a CPU: "auto" is float16 where the linear layers keep
+    # block-quantized weights (as llama.cpp keeps its cache: half the bytes a decode step's
+    # attention reads), the model's dtype otherwise. CUDA keeps the model's dtype.
+    kv_cache_dtype: KVCacheDTypeName = "auto"
     # "auto": FlashInfer (attention, norms, RoPE, SiLU) on CUDA when it imports, else torch.
     attention_backend: AttentionBackendName = "auto"
     # CPU intra-op threads; None: the cores other processes leave idle, re-checked every
@@ -287,6 +292,7 @@ class EngineConfig:
             ("dtype", DTypeName),
             ("attention_backend", AttentionBackendName),
             ("quantization", QuantizationName),
+            ("kv_cache_dtype", KVCacheDTypeName),
         ):
             value = getattr(self, name)
             if value not in get_args(kinds):
@@ -298,6 +304,11 @@ class EngineConfig:
             raise ConfigError(
                 "quantization='int8' runs on a CPU only; CUDA keeps bfloat16 weights",
                 option="quantization",
+            )
+        if self.kv_cache_dtype != "auto" and self.device.startswith("cuda"):
+            raise ConfigError(
+                "kv_cache_dtype is a CPU option; CUDA keeps the cache in the model's dtype",
+                option="kv_cache_dtype",
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(

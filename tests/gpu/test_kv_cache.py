@@ -26,8 +26,10 @@ from inlinelm.gpu.kv_cache import (
     kv_cache_spec,
     write_kv,
 )
+from inlinelm.gpu.model.cpu_extension import cpu_extension
 from inlinelm.gpu.model.registry import read_model_config
 from inlinelm.gpu.model_memory import weight_bytes
+from inlinelm.gpu.model_runner import ModelRunner
 
 MiB, GiB = 2**20, 2**30
 
@@ -270,3 +272,43 @@ def test_the_profiling_forward_runs_at_the_step_token_budget(
     assert sampled == [(2, runner.model_config.vocab_size)]  # sampler temporaries counted
     assert profile(config.with_options(num_kv_blocks=8), 1000 * MiB) is None
     runner.close()
+
+
+@pytest.mark.skipif(cpu_extension() is None, reason="block-quantized weights need the extension")
+@pytest.mark.parametrize(
+    ("quantization", "kv_cache_dtype", "expected"),
+    [
+        ("int8", "auto", torch.float16),
+        ("none", "auto", torch.float32),
+        ("int8", "float32", torch.float32),
+        ("none", "float16", torch.float16),
+    ],
+)
+def test_the_cache_dtype_is_float16_for_block_weights_unless_told(
+    tiny_model_dir: Path, quantization: str, kv_cache_dtype: str, expected: torch.dtype
+) -> None:
+    """``kv_cache_dtype="auto"`` keeps a block-quantized model's cache in float16 and a
+    float model's in its dtype; a given dtype is kept; a byte budget holds blocks of the
+    cache's own size (float16: twice as many)."""
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        quantization=quantization,  # type: ignore[arg-type]
+        kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
+        kv_cache_bytes="4MiB",
+        num_threads=1,
+    )
+    runner = ModelRunner(config, tiny_model_dir)
+    try:
+        cfg = read_model_config(tiny_model_dir)
+        assert {cache.dtype for cache in runner.kv_caches} == {expected}
+        assert runner.num_kv_blocks == 4 * MiB // bytes_per_block(cfg, 16, expected)
+    finally:
+        runner.close()
+
+
+def test_the_cache_dtype_is_a_cpu_option() -> None:
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, float32, float16"):
+        EngineConfig(kv_cache_dtype="int8")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="CPU option") as info:
+        EngineConfig(device="cuda", kv_cache_dtype="float16")
+    assert info.value.option == "kv_cache_dtype"

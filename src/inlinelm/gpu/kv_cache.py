@@ -312,17 +312,18 @@ def _mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def write_kv(
     kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write this step's ``k``/``v`` [T, KVH, D] into ``kv_cache`` [2, slots, KVH, D].
+    """Write this step's ``k``/``v`` [T, KVH, D] into ``kv_cache`` [2, slots, KVH, D]
+    (rounded to the cache's dtype where it is narrower: ``kv_cache_dtype``).
 
     One ``index_copy_`` along the slot dimension when ``v`` lies right after ``k`` in one
     buffer (the fused QKV projection's, when RoPE ran in place); two otherwise.
     """
     pair = adjacent_pair(k, v)
     if pair is not None:
-        kv_cache.index_copy_(1, slot_mapping, pair)
+        kv_cache.index_copy_(1, slot_mapping, pair.to(kv_cache.dtype))
         return
-    kv_cache[0].index_copy_(0, slot_mapping, k)
-    kv_cache[1].index_copy_(0, slot_mapping, v)
+    kv_cache[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 def adjacent_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:

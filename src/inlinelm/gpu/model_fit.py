@@ -41,6 +41,7 @@ class ModelFit:
     model_config: ModelConfig
     max_model_len: int
     kv_spec: KVCacheSpec | None
+    kv_dtype: torch.dtype
 
 
 def check_model_fits(config: EngineConfig, folder: Path) -> ModelFit:
@@ -55,8 +56,20 @@ def check_model_fits(config: EngineConfig, folder: Path) -> ModelFit:
     max_model_len = resolve_max_model_len(config, cfg)
     dtype = DTYPES[config.model_dtype]
     blocks = planned_blocks(cfg, folder, config.weight_quantization, dtype)
-    kv_spec = check_model_memory(config, cfg, max_model_len, dtype, folder / "config.json", blocks)
-    return ModelFit(cfg, max_model_len, kv_spec)
+    kv_dtype = kv_cache_dtype(config, dtype, blocks)
+    kv_spec = check_model_memory(
+        config, cfg, max_model_len, dtype, folder / "config.json", blocks, kv_dtype
+    )
+    return ModelFit(cfg, max_model_len, kv_spec, kv_dtype)
+
+
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, blocks: BlockPlan) -> torch.dtype:
+    """The KV cache's dtype (``kv_cache_dtype``): as given; for ``"auto"`` float16 where
+    a CPU model's linear layers keep block-quantized weights (``blocks`` is not empty),
+    else the model's ``dtype``."""
+    if config.kv_cache_dtype != "auto":
+        return DTYPES[config.kv_cache_dtype]
+    return torch.float16 if blocks and not config.device.startswith("cuda") else dtype
 
 
 def planned_blocks(cfg: ModelConfig, folder: Path, mode: str, dtype: torch.dtype) -> BlockPlan:

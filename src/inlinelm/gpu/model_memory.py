@@ -114,10 +114,12 @@ def check_model_memory(
     dtype: torch.dtype,
     config_path: Path,
     blocks: Mapping[str, str] | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> KVCacheSpec | None:
     """Refuse, before anything is allocated, a model this machine cannot hold (see the
     module docstring); reads only the memory counters. Returns the KV cache's spec when
-    its size is fixed before loading (see :func:`up_front_kv_spec`), else None."""
+    its size is fixed before loading (see :func:`up_front_kv_spec`; a cache of
+    ``kv_dtype``, by default the model's ``dtype``), else None."""
     device = torch.device(config.device)
     device_free = device_memory_free(device) if device.type == "cuda" else None
     host_free = host_memory_available()
@@ -127,7 +129,7 @@ def check_model_memory(
     check_fits(parts, device_free=device_free, host_free=host_free, config_path=config_path)
     left = None if host_free is None else host_free - sum(p.num_bytes for p in parts)
     host = HostMemory(weight_bytes(cfg, dtype), left)
-    spec = up_front_kv_spec(config, cfg, max_model_len, dtype, host)
+    spec = up_front_kv_spec(config, cfg, max_model_len, kv_dtype or dtype, host)
     if spec is not None:
         parts.append(kv_cache_part(config, spec))
         check_fits(parts, device_free=device_free, host_free=host_free, config_path=config_path)

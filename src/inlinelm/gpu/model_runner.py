@@ -61,6 +61,7 @@ class ModelRunner:
         self.cpu_threads = CpuThreads(config.num_threads) if self.device.type == "cpu" else None
         fit = fit or check_model_fits(config, folder)
         self.model_config, self.max_model_len = fit.model_config, fit.max_model_len
+        self.kv_dtype = fit.kv_dtype
         free_at_start = free_device_memory(self.device) if self.device.type == "cuda" else None
         self._resolve_parts()
         self.model = self._load_model(folder)
@@ -119,13 +120,13 @@ class ModelRunner:
             self.config,
             cfg,
             length,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             free_at_start,
             forward=self._dummy_forward,
             sample=self.sampler,
         )
-        return kv_cache_spec(self.config, cfg, length, self.dtype, use)
+        return kv_cache_spec(self.config, cfg, length, self.kv_dtype, use)
 
     def _init_step_state(self) -> None:
         """Step path: decode graphs (built at the first step), the sampling state kept across
@@ -156,7 +157,7 @@ class ModelRunner:
         # NOTE: one block more than the pool hands out: the scratch block that padding rows
         # of a graphed decode write to.
         return allocate_kv_cache(
-            spec.num_blocks + 1, spec.block_size, self.model_config, self.dtype, self.device
+            spec.num_blocks + 1, spec.block_size, self.model_config, self.kv_dtype, self.device
         )
 
     def _prepare_thread(self) -> None:

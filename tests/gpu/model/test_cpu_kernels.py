@@ -8,6 +8,7 @@ or a wrong constant moves it by the size of a term, thousands of times more."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +241,34 @@ def test_paged_decode_splits_heads_over_threads_and_keeps_the_result(ops: Any) -
     assert torch.equal(serial, parallel)  # each head's sums run in one order on any thread
 
 
+@pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("planned", sorted(STEPS))
+def test_a_float16_cache_is_written_rounded_and_read_widened(
+    ops: Any, planned: str, head_dim: int
+) -> None:
+    """``kv_cache_dtype="float16"``: the kernel writes k and v rounded as torch rounds them
+    to float16, and attends over the float16 cache, to the bit, as over a float32 cache
+    holding the same rounded values; the torch backend (which widens what it gathers)
+    writes the same cache and agrees within float32's bound."""
+    heads, kv_heads = 6, 2
+    step = make_step(Shape(16, heads, kv_heads, head_dim), STEPS[planned], 5)
+    half = replace(step, kv_cache=step.kv_cache.half())
+    rounded = replace(
+        step, k=step.k.half().float(), v=step.v.half().float(), kv_cache=half.kv_cache.float()
+    )
+    got, cache = run_backend(TorchAttention(heads, kv_heads, head_dim, ops), half, 16)
+    assert cache.dtype == torch.float16
+    widened, widened_cache = run_backend(
+        TorchAttention(heads, kv_heads, head_dim, ops), rounded, 16
+    )
+    assert torch.equal(cache.float(), widened_cache)
+    assert torch.equal(got, widened)
+    torch_got, torch_cache = run_backend(TorchAttention(heads, kv_heads, head_dim), half, 16)
+    assert torch.equal(torch_cache, cache)
+    bound = _attention_bound(rounded, LayerAttention(head_dim**-0.5), torch_got)
+    assert float((got - torch_got).abs().max()) <= bound
+
+
 def test_a_backend_made_with_the_extension_runs_it(ops: Any) -> None:
     backend = make_attention_backend(
         "torch", CPU, 6, 2, 8, torch.float32, [LayerAttention(0.3)], cpu_ops=ops
@@ -297,6 +326,10 @@ def test_rope_refuses_a_position_outside_its_table(ops: Any) -> None:
 
 
 def test_the_kernels_refuse_other_dtypes_and_strided_last_dimensions(ops: Any) -> None:
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        ops.write_kv(
+            _cache().bfloat16(), torch.randn(2, 2, 8), torch.randn(2, 2, 8), torch.tensor([0, 1])
+        )
     with pytest.raises(RuntimeError, match="float32"):
         ops.rms_norm(torch.randn(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-6, 0.0)
     with pytest.raises(RuntimeError, match="contiguous"):

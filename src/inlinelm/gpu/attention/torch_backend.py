@@ -244,11 +244,13 @@ class TorchAttention:
             blocks[0][group.block_tables]
             .view(count, -1, self.num_kv_heads, self.head_dim)
             .transpose(1, 2)
+            .to(queries.dtype)
         )
         values = (
             blocks[1][group.block_tables]
             .view(count, -1, self.num_kv_heads, self.head_dim)
             .transpose(1, 2)
+            .to(queries.dtype)
         )
         mask = group.mask(layer.sliding_window, keys.shape[2])
         result = attend(queries.unsqueeze(2), keys, values, mask, layer)  # [Bd, H, 1, D]
@@ -269,7 +271,8 @@ class TorchAttention:
             :, : chunk.seq_len
         ]
         queries = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        # NOTE: a narrower cache (kv_cache_dtype) is widened to the queries' dtype here
+        keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)
         if layer.sliding_window is None and layer.softcap is None:
             result = F.scaled_dot_product_attention(
                 queries,

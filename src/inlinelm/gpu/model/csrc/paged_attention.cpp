@@ -1,13 +1,17 @@
-// The KV-cache write and paged decode attention of a CPU decoder step (float32): one call
-// a layer for every decode row of a step, each row's keys read in place through its block
-// table at its own length (no gather, no mask). What inlinelm's torch attention computes
-// (inlinelm/gpu/attention/torch_backend.py), the sums in vector lanes.
+// The KV-cache write and paged decode attention of a CPU decoder step (float32 queries, a
+// float32 or float16 cache: kv_cache_dtype): one call a layer for every decode row of a
+// step, each row's keys read in place through its block table at its own length (no
+// gather, no mask). What inlinelm's torch attention computes
+// (inlinelm/gpu/attention/torch_backend.py), the sums in vector lanes; a float16 cache's
+// keys and values are widened as they are read (exactly), so it computes what a float32
+// cache holding the same rounded values would, to the bit.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_checks.h"
@@ -18,7 +22,8 @@ namespace {
 
 using namespace inlinelm;
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   int64_t i = 0;
   float s = 0.0f;
 #if INLINELM_VEC
@@ -26,17 +31,18 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; i + kLanes <= n; i += kLanes) acc = fma(load(a + i), load(b + i), acc);
   s = total(acc);
 #endif
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * to_float(b[i]);
   return s;
 }
 
-inline void axpy(float* y, float a, const float* x, int64_t n) {  // y += a * x
+template <typename T>
+inline void axpy(float* y, float a, const T* x, int64_t n) {  // y += a * x
   int64_t i = 0;
 #if INLINELM_VEC
   const Vec va = splat(a);
   for (; i + kLanes <= n; i += kLanes) store(y + i, fma(va, load(x + i), load(y + i)));
 #endif
-  for (; i < n; ++i) y[i] += a * x[i];
+  for (; i < n; ++i) y[i] += a * to_float(x[i]);
 }
 
 // x[i] = exp(x[i] - m); returns their sum
@@ -61,12 +67,14 @@ inline float exp_shifted(float* x, int64_t n, float m) {
 }
 
 // Softmax-weighted values of one KV head's G query heads over keys [lo, len) of one
-// sequence; ``scores`` holds G * (len - lo) floats, ``acc`` G * D.
+// sequence (a cache of T: float or c10::Half); ``scores`` holds G * (len - lo) floats,
+// ``acc`` G * D.
+template <typename T>
 struct DecodeArgs {
   const float* q;
   int64_t q_head_stride;
-  const float* keys;    // cache[0]
-  const float* values;  // cache[1]
+  const T* keys;    // cache[0]
+  const T* values;  // cache[1]
   const int64_t* table;
   int64_t block_size, kv_heads, D, G;
   float scale, softcap;
@@ -74,8 +82,8 @@ struct DecodeArgs {
 
 // Keys [lo, len) of one sequence page by page: a page's slots are adjacent, so its keys
 // are one strided run. visit(i, offset) for key lo + i at offset (of kv head kvh) in a cache.
-template <typename Visit>
-inline void for_each_key(const DecodeArgs& a, int64_t kvh, int64_t lo, int64_t len, Visit&& visit) {
+template <typename Args, typename Visit>
+inline void for_each_key(const Args& a, int64_t kvh, int64_t lo, int64_t len, Visit&& visit) {
   const int64_t bs = a.block_size, stride = a.kv_heads * a.D;
   for (int64_t page = lo / bs, j = lo; j < len; ++page) {
     const int64_t end = std::min(len, (page + 1) * bs);
@@ -88,8 +96,8 @@ inline void for_each_key(const DecodeArgs& a, int64_t kvh, int64_t lo, int64_t l
 // decode_head for D = NV vectors: one query head at a time, its query and its sum of
 // values in registers (the same operations in the same order as the loops below, so the
 // same bits; the sum no longer goes through memory for every key).
-template <int NV>
-void decode_head_vec(const DecodeArgs& a, int64_t kvh, int64_t lo, int64_t len, float* scores,
+template <int NV, typename T>
+void decode_head_vec(const DecodeArgs<T>& a, int64_t kvh, int64_t lo, int64_t len, float* scores,
                      float* out, int64_t out_head_stride) {
   const int64_t n = len - lo, G = a.G;
   for (int64_t g = 0; g < G; ++g) {
@@ -99,7 +107,7 @@ void decode_head_vec(const DecodeArgs& a, int64_t kvh, int64_t lo, int64_t len, 
     for (int v = 0; v < NV; ++v) q[v] = load(qg + v * kLanes);
     float best = -std::numeric_limits<float>::infinity();
     for_each_key(a, kvh, lo, len, [&](int64_t i, int64_t at) {
-      const float* k = a.keys + at;
+      const T* k = a.keys + at;
       Vec acc = zero();
       for (int v = 0; v < NV; ++v) acc = fma(q[v], load(k + v * kLanes), acc);
       float s = total(acc) * a.scale;
@@ -111,7 +119,7 @@ void decode_head_vec(const DecodeArgs& a, int64_t kvh, int64_t lo, int64_t len, 
     Vec acc[NV];
     for (int v = 0; v < NV; ++v) acc[v] = zero();
     for_each_key(a, kvh, lo, len, [&](int64_t i, int64_t at) {
-      const float* x = a.values + at;
+      const T* x = a.values + at;
       const Vec w = splat(sg[i]);
       for (int v = 0; v < NV; ++v) acc[v] = fma(w, load(x + v * kLanes), acc[v]);
     });
@@ -121,7 +129,8 @@ void decode_head_vec(const DecodeArgs& a, int64_t kvh, int64_t lo, int64_t len, 
 }
 #endif
 
-void decode_head(const DecodeArgs& a, int64_t kvh, int64_t lo, int64_t len, float* scores,
+template <typename T>
+void decode_head(const DecodeArgs<T>& a, int64_t kvh, int64_t lo, int64_t len, float* scores,
                  float* acc, float* out, int64_t out_head_stride) {
   const int64_t n = len - lo, D = a.D, G = a.G;
 #if INLINELM_VEC
@@ -133,7 +142,7 @@ void decode_head(const DecodeArgs& a, int64_t kvh, int64_t lo, int64_t len, floa
 #endif
   std::vector<float> best(G, -std::numeric_limits<float>::infinity());
   for_each_key(a, kvh, lo, len, [&](int64_t i, int64_t at) {
-    const float* k = a.keys + at;
+    const T* k = a.keys + at;
     for (int64_t g = 0; g < G; ++g) {
       float s = dot(a.q + (kvh * G + g) * a.q_head_stride, k, D) * a.scale;
       if (a.softcap > 0.0f) s = a.softcap * std::tanh(s / a.softcap);
@@ -145,7 +154,7 @@ void decode_head(const DecodeArgs& a, int64_t kvh, int64_t lo, int64_t len, floa
   for (int64_t g = 0; g < G; ++g) sums[g] = exp_shifted(scores + g * n, n, best[g]);
   std::fill(acc, acc + G * D, 0.0f);
   for_each_key(a, kvh, lo, len, [&](int64_t i, int64_t at) {
-    const float* v = a.values + at;
+    const T* v = a.values + at;
     for (int64_t g = 0; g < G; ++g) axpy(acc + g * D, scores[g * n + i], v, D);
   });
   for (int64_t g = 0; g < G; ++g) {
@@ -155,15 +164,64 @@ void decode_head(const DecodeArgs& a, int64_t kvh, int64_t lo, int64_t len, floa
   }
 }
 
+// Rows t of k and v into their slots of a cache of T (float16: rounded to nearest even).
+template <typename T>
+void write_rows(T* keys, T* values, const torch::Tensor& k, const torch::Tensor& v,
+                const int64_t* slots, int64_t KVH, int64_t D) {
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  auto put = [D](T* dst, const float* src) {
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(dst, src, D * sizeof(float));
+    } else {
+      int64_t i = 0;
+#if INLINELM_VEC
+      for (; i + kLanes <= D; i += kLanes) store(dst + i, load(src + i));
+#endif
+      for (; i < D; ++i) dst[i] = static_cast<T>(src[i]);
+    }
+  };
+  for (int64_t t = 0; t < k.size(0); ++t)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t dst = (slots[t] * KVH + h) * D;
+      put(keys + dst, kp + t * k.stride(0) + h * k.stride(1));
+      put(values + dst, vp + t * v.stride(0) + h * v.stride(1));
+    }
+}
+
+template <typename T>
+void decode_rows(const DecodeArgs<T>& base, const torch::Tensor& q, const int64_t* tables,
+                 int64_t rs, const int64_t* lens, int64_t window, int64_t longest, float* op) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = base.kv_heads, G = base.G;
+  const float* qp = q.data_ptr<float>();
+  at::parallel_for(0, B * KVH, grain(2 * G * longest * D), [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(G * longest), acc(G * D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / KVH, kvh = i % KVH, len = lens[b];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      DecodeArgs<T> a = base;
+      a.q = qp + b * q.stride(0);
+      a.table = tables + b * rs;
+      decode_head(a, kvh, lo, len, scores.data(), acc.data(), op + b * H * D, D);
+    }
+  });
+}
+
+void check_cache(const torch::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.device().is_cpu() && (kv_cache.scalar_type() == torch::kFloat32 ||
+                                             kv_cache.scalar_type() == torch::kFloat16),
+              "kv_cache must be a float32 or float16 CPU tensor");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, slots, KVH, D]");
+}
+
 }  // namespace
 
 void write_kv(torch::Tensor& kv_cache, const torch::Tensor& k, const torch::Tensor& v,
               const torch::Tensor& slots) {
-  check_float(kv_cache, "kv_cache");
+  check_cache(kv_cache);
   check_rows(k, "k");
   check_rows(v, "v");
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous [2, slots, KVH, D]");
   const int64_t S = kv_cache.size(1), KVH = kv_cache.size(2), D = kv_cache.size(3);
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == KVH && k.size(2) == D,
               "k and v must be [T, ", KVH, ", ", D, "]");
@@ -174,16 +232,12 @@ void write_kv(torch::Tensor& kv_cache, const torch::Tensor& k, const torch::Tens
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "slot ", sp[t], " is outside the cache [0, ", S, ")");
-  float* keys = kv_cache.data_ptr<float>();
-  float* values = keys + S * KVH * D;
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < KVH; ++h) {
-      const int64_t dst = (sp[t] * KVH + h) * D;
-      std::memcpy(keys + dst, kp + t * k.stride(0) + h * k.stride(1), D * sizeof(float));
-      std::memcpy(values + dst, vp + t * v.stride(0) + h * v.stride(1), D * sizeof(float));
-    }
+  if (kv_cache.scalar_type() == torch::kFloat16) {
+    c10::Half* keys = kv_cache.data_ptr<c10::Half>();
+    write_rows(keys, keys + S * KVH * D, k, v, sp, KVH, D);
+  } else {
+    float* keys = kv_cache.data_ptr<float>();
+    write_rows(keys, keys + S * KVH * D, k, v, sp, KVH, D);
   }
 }
 
@@ -191,10 +245,8 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache
                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                            int64_t block_size, double scale, int64_t window, double softcap) {
   check_rows(q, "q");
-  check_float(kv_cache, "kv_cache");
+  check_cache(kv_cache);
   TORCH_CHECK(q.dim() == 3, "q must be [B, H, D]");
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous [2, slots, KVH, D]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t S = kv_cache.size(1), KVH = kv_cache.size(2);
   TORCH_CHECK(kv_cache.size(3) == D && H % KVH == 0, "q and kv_cache disagree on heads");
@@ -220,21 +272,18 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& kv_cache
   const int64_t G = H / KVH;
   if (window > 0) longest = std::min(longest, window);
   auto out = torch::empty({B, H, D}, q.options());
-  const float* keys = kv_cache.data_ptr<float>();
-  DecodeArgs base{nullptr, q.stride(1), keys, keys + S * KVH * D, nullptr, block_size, KVH, D, G,
-                  static_cast<float>(scale), static_cast<float>(softcap)};
-  const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * KVH, grain(2 * G * longest * D), [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(G * longest), acc(G * D);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / KVH, kvh = i % KVH, len = lens[b];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      DecodeArgs a = base;
-      a.q = qp + b * q.stride(0);
-      a.table = tables + b * rs;
-      decode_head(a, kvh, lo, len, scores.data(), acc.data(), op + b * H * D, D);
-    }
-  });
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  if (kv_cache.scalar_type() == torch::kFloat16) {
+    const c10::Half* keys = kv_cache.data_ptr<c10::Half>();
+    const DecodeArgs<c10::Half> base{nullptr, q.stride(1), keys, keys + S * KVH * D, nullptr,
+                                     block_size, KVH, D, G, sc, cap};
+    decode_rows(base, q, tables, rs, lens, window, longest, op);
+  } else {
+    const float* keys = kv_cache.data_ptr<float>();
+    const DecodeArgs<float> base{nullptr, q.stride(1), keys, keys + S * KVH * D, nullptr,
+                                 block_size, KVH, D, G, sc, cap};
+    decode_rows(base, q, tables, rs, lens, window, longest, op);
+  }
   return out;
 }

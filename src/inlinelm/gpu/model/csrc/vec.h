@@ -4,6 +4,8 @@
 // then runs its plain loops only.
 #pragma once
 
+#include <c10/util/Half.h>
+
 #include <cstdint>
 
 #include <immintrin.h>
@@ -15,7 +17,13 @@ namespace inlinelm {
 constexpr int64_t kLanes = 16;
 using Vec = __m512;
 inline Vec load(const float* x) { return _mm512_loadu_ps(x); }
+inline Vec load(const c10::Half* x) {  // float16, widened (exactly)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
 inline void store(float* x, Vec v) { _mm512_storeu_ps(x, v); }
+inline void store(c10::Half* x, Vec v) {  // rounded to float16, to nearest even
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
 inline Vec splat(float a) { return _mm512_set1_ps(a); }
 inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
@@ -28,12 +36,18 @@ inline Vec zero() { return _mm512_setzero_ps(); }
 inline float total(Vec v) { return _mm512_reduce_add_ps(v); }
 inline Vec round_even(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline Vec times_pow2(Vec y, Vec n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define INLINELM_VEC 1
 constexpr int64_t kLanes = 8;
 using Vec = __m256;
 inline Vec load(const float* x) { return _mm256_loadu_ps(x); }
+inline Vec load(const c10::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
 inline void store(float* x, Vec v) { _mm256_storeu_ps(x, v); }
+inline void store(c10::Half* x, Vec v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(x), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
 inline Vec splat(float a) { return _mm256_set1_ps(a); }
 inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
@@ -57,6 +71,9 @@ inline Vec times_pow2(Vec y, Vec n) {  // y * 2^n for integral n in [-126, 127]
 #define INLINELM_VEC 0
 constexpr int64_t kLanes = 0;
 #endif
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 #if INLINELM_VEC
 // e^x, within ~2 float32 ulps (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5

@@ -44,8 +44,9 @@ MODES = ("none", "auto")
 OURS = "ours, the model's kinds"
 INTEGER = "ours, the model's kinds, integer loops"
 KERNELS = ["float32 oneDNN", OURS, INTEGER, "ours, Q8_0", "fbgemm int8"]
-"""``OURS`` is what the engine runs (``"fastest"``: from 64 rows, bfloat16 products where
-the CPU has AMX); ``INTEGER`` forces the integer loops at every row count."""
+"""``OURS`` is what the engine runs (``"fastest"``: where the CPU has AMX, bfloat16 products
+from 64 rows and the integer loops on AMX's int8 tiles from 16); ``INTEGER`` forces the
+fastest integer loops without AMX (VNNI) at every row count."""
 
 
 def _blocks(weight: torch.Tensor, kind: str) -> Any:

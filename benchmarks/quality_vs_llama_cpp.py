@@ -60,8 +60,11 @@ def top1_ours(
 ) -> list[torch.Tensor]:
     folder = resolve_model(str(path), quantized=mode != "none").folder
     model = load_ours(folder, mode)
+    # NOTE: the cache the engine keeps for it (kv_cache_dtype="auto"): float16 where the
+    # weights are block-quantized, as llama.cpp's is
+    kv_dtype = torch.float16 if mode != "none" else torch.float32
     return [
-        prefill_logits(model, ids)[start - 1 : -1].argmax(-1)
+        prefill_logits(model, ids, kv_dtype)[start - 1 : -1].argmax(-1)
         for ids, start in zip(sequences, starts, strict=True)
     ]
 

@@ -82,10 +82,12 @@ def load_reference(folder: Path) -> Any:
 class PagedGreedyDriver:
     """A minimal stand-in for the scheduler: chunked prefill and decode of many sequences in one batch."""
 
-    def __init__(self, model: DecoderModel, num_blocks: int = 256) -> None:
+    def __init__(
+        self, model: DecoderModel, num_blocks: int = 256, kv_dtype: torch.dtype | None = None
+    ) -> None:
         cfg = model.config
         self.model = model
-        dtype = model.embed_tokens.weight.dtype
+        dtype = kv_dtype or model.embed_tokens.weight.dtype
         self.caches = [
             torch.zeros(2, num_blocks * BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
             for _ in range(cfg.num_layers)
@@ -156,8 +158,12 @@ class PagedGreedyDriver:
         return {live[k]: int(t) for k, t in zip(samples, logits.argmax(-1).tolist(), strict=True)}
 
 
-def prefill_logits(model: DecoderModel, ids: list[int]) -> torch.Tensor:
-    driver = PagedGreedyDriver(model)
+def prefill_logits(
+    model: DecoderModel, ids: list[int], kv_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Logits of every position of one sequence prefilled at once, through a paged cache of
+    ``kv_dtype`` (default: the model's dtype)."""
+    driver = PagedGreedyDriver(model, kv_dtype=kv_dtype)
     n = len(ids)
     table = list(range(-(-n // BLOCK_SIZE)))
     meta = AttentionMetadata(

@@ -147,21 +147,34 @@ def test_blocks_read_back_as_gguf_dequantizes_them(kind: str) -> None:
     assert torch.equal(packed_weight.lookup(ids), values[ids])
 
 
+def kernel_case(
+    rows: int, out: int, inp: int, kind: str
+) -> tuple[BlockWeight, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """A packed [out, inp] matrix of ``kind`` (with its exact values and block sums),
+    ``rows`` inputs whose first block is large (the others keep their own scales), and the
+    biases to try: none, and a random one."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out)
+    weight, values, sums = packed(torch.randn(out, inp, generator=gen) * 0.1, kind)
+    x = torch.randn(rows, inp, generator=gen) * 3
+    x[0, :BLOCK] *= 100
+    return weight, values, sums, x, (None, torch.randn(out, generator=gen))
+
+
+def assert_within(got: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> None:
+    assert got.shape == exact.shape and got.dtype == torch.float32
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 33, 600])
 @pytest.mark.parametrize(("out", "inp"), [(962, 576), (7, 64), (33, 32)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_kernel_is_the_exact_product_of_the_rounded_input(
     rows: int, out: int, inp: int, kind: str
 ) -> None:
-    gen = torch.Generator().manual_seed(rows * 1000 + out)
-    weight, values, sums = packed(torch.randn(out, inp, generator=gen) * 0.1, kind)
-    x = torch.randn(rows, inp, generator=gen) * 3
-    x[0, :BLOCK] *= 100  # NOTE: one large block: the others keep their own scales
-    for bias in (None, torch.randn(out, generator=gen)):
+    weight, values, sums, x, biases = kernel_case(rows, out, inp, kind)
+    for bias in biases:
         got = weight.matmul(x, bias, "integer")
-        exact, bound = reference(x, values, sums, bias)
-        assert got.shape == (rows, out) and got.dtype == torch.float32
-        assert ((got.double() - exact).abs() <= bound).all()
+        assert_within(got, *reference(x, values, sums, bias))
         for loops in SAME_BITS:
             assert torch.equal(weight.matmul(x, bias, loops), got), loops
 
@@ -194,15 +207,10 @@ def test_the_bf16_products_are_the_rounded_inputs_times_the_widened_weights(
     rows: int, out: int, inp: int, kind: str
 ) -> None:
     # 1100 rows of 4096 are two groups of widened weights (8 MiB a group)
-    gen = torch.Generator().manual_seed(rows * 1000 + out)
-    weight, values, _ = packed(torch.randn(out, inp, generator=gen) * 0.1, kind)
-    x = torch.randn(rows, inp, generator=gen) * 3
-    x[0, :BLOCK] *= 100
-    for bias in (None, torch.randn(out, generator=gen)):
+    weight, values, _, x, biases = kernel_case(rows, out, inp, kind)
+    for bias in biases:
         got = weight.matmul(x, bias, "bfloat16")
-        exact, bound = bf16_reference(x, values, bias)
-        assert got.shape == (rows, out) and got.dtype == torch.float32
-        assert ((got.double() - exact).abs() <= bound).all()
+        assert_within(got, *bf16_reference(x, values, bias))
         # not the integer loops' product: its 16-bit inputs differ from bfloat16's 8 bits
         assert not torch.equal(got, weight.matmul(x, bias, "integer"))
         fastest = weight.matmul(x, bias)

@@ -1,8 +1,9 @@
 """Every GGUF weight type the CPU engine is asked to run: a file whose linear weights (and
 embedding) are stored in it loads, its tensors come out as gguf-py dequantizes them, and
 with ``quantization="auto"`` every linear layer runs block-quantized, in the file's own
-blocks where the kernel computes them (Q8_0, Q4_0, Q4_1) and as Q8_0 blocks of its values
-otherwise, and computes with exactly those weights.
+blocks where the kernel computes them (Q8_0, Q4_0, Q4_1), Q4_K as the Q4_1 blocks of its
+sub-blocks (within float16's rounding of their scales and offsets), and as Q8_0 blocks of
+its values otherwise, and computes with exactly those weights.
 
 The legacy types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are quantized from a tiny Llama by gguf-py
 itself. gguf-py has no quantizer for the K-quants (Q4_K, Q5_K, Q6_K), so their blocks are
@@ -23,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from inlinelm.gpu.loading.model_files import resolve_model, weight_files
-from inlinelm.gpu.loading.quantization import BLOCKS_METADATA, KEPT_TYPES, stored_types
+from inlinelm.gpu.loading.quantization import BLOCKS_METADATA, block_kind, stored_types
 from inlinelm.gpu.model.cpu_extension import cpu_extension
 from inlinelm.gpu.model.layers.blocks import dequantize_blocks, quantize_q8_0
 from inlinelm.gpu.model.layers.linear import Linear
@@ -122,16 +123,21 @@ def test_a_file_of_each_type_loads_as_gguf_dequantizes_it_and_runs_quantized(
         assert torch.equal(got, want), name
     # the quantized conversion keeps each matrix as the blocks the engine computes with
     # (nothing left to quantize at a start): the file's own bytes for a kind the kernel
-    # computes, else Q8_0 blocks of its values
+    # computes, Q4_K's sub-blocks as Q4_1 blocks, else Q8_0 blocks of its values
     kept = resolve_model(str(path), quantized=True).folder
     assert kept != converted
-    kind = qtype if qtype in KEPT_TYPES else "Q8_0"
+    kind = block_kind(qtype)
+    assert kind == {"Q4_K": "Q4_1"}.get(qtype, qtype if qtype in LEGACY[:3] else "Q8_0")
     blocks, kinds = _blocks(kept)
     assert set(weights) <= set(kinds) and {kinds[name] for name in weights} == {kind}
     for name, gguf_name in checked:
         raw = torch.from_numpy(stored[gguf_name].data.copy())
         if "q_proj" in name:
             raw = _unpermute(raw, SHAPE["num_attention_heads"])
+        if qtype == "Q4_K":
+            got_values = dequantize_blocks(blocks[name], kind)
+            assert (got_values - tensors[name]).abs().le(_q4_1_rounding(blocks[name])).all()
+            continue
         want = raw if kind == qtype else quantize_q8_0(tensors[name])
         assert torch.equal(blocks[name], want), name
     norm = "model.norm.weight"
@@ -177,6 +183,17 @@ def _blocks(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
             kinds.update(json.loads((f.metadata() or {}).get(BLOCKS_METADATA, "{}")))
             tensors.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
     return tensors, kinds
+
+
+def _q4_1_rounding(blocks: torch.Tensor) -> torch.Tensor:
+    """Per weight, the most float16 rounding of a Q4_1 block's scale ``d`` and offset ``m``
+    moves ``d * q + m`` (q <= 15): 2^-11 of each (relative, for normal float16) plus
+    float16's subnormal step 2^-24 of each (absolute)."""
+    rows = blocks.shape[0]
+    halves = blocks.reshape(rows, -1, 20)[:, :, :4].contiguous().view(torch.float16).float()
+    d, m = halves[:, :, 0].abs(), halves[:, :, 1].abs()
+    per_block = (15 * d + m) * 2.0**-11 / (1 - 2.0**-11) + 16 * 2.0**-24
+    return per_block.repeat_interleave(32, dim=1)
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -214,6 +214,8 @@ def _blocks(t: Any) -> tuple[str, np.ndarray]:
     kind = block_kind(t.tensor_type.name)
     if kind == t.tensor_type.name:
         return kind, data
+    if t.tensor_type.name == "Q4_K":
+        return kind, q4_k_as_q4_1(data)
     cols = int(t.shape[0])  # NOTE: GGUF lists the row length first
     out = np.empty((data.shape[0], cols // BLOCK * BLOCK_BYTES[kind]), dtype=np.uint8)
     band = max(1, _BAND_FLOATS // cols)
@@ -222,6 +224,37 @@ def _blocks(t: Any) -> tuple[str, np.ndarray]:
         values = torch.from_numpy(np.asarray(rows, dtype=np.float32))
         out[r0 : r0 + band] = quantize_q8_0(values).numpy()
     return kind, out
+
+
+Q4_K_BYTES = 144
+"""A Q4_K super-block: float16 ``d`` and ``dmin``, 12 bytes of 6-bit scales and minima for
+its 8 sub-blocks of 32, 128 bytes of 4-bit values."""
+
+
+def q4_k_as_q4_1(data: np.ndarray) -> np.ndarray:
+    """Q4_K blocks (uint8 [rows, n * 144]) as the Q4_1 blocks of their sub-blocks (uint8
+    [rows, n * 8 * 20]): sub-block j's values are ``d * sc_j * q - dmin * m_j``, a Q4_1
+    block with scale ``d * sc_j`` and offset ``-dmin * m_j`` (exact in float32, rounded to
+    float16: a relative error of at most 2^-11 of the block's scale, where Q8_0 blocks of
+    the values would round each weight to 8 bits), the same 4-bit values."""
+    import gguf
+
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(-1, Q4_K_BYTES)
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    scale = (d * sc.astype(np.float32)).astype(np.float16)
+    offset = (-(dmin * mins.astype(np.float32))).astype(np.float16)
+    # NOTE: 32 bytes a pair of sub-blocks: 2c in their low nibbles, 2c + 1 in the high
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(n, 8, 32)
+    out = np.empty((n, 8, 20), dtype=np.uint8)
+    out[:, :, 0:2] = scale.view(np.uint8).reshape(n, 8, 2)
+    out[:, :, 2:4] = offset.view(np.uint8).reshape(n, 8, 2)
+    out[:, :, 4:] = q[:, :, :16] | (q[:, :, 16:] << 4)  # Q4_1: byte j holds q[j], q[j + 16]
+    return out.reshape(rows, -1)
 
 
 def _lookup(names: TensorNames, name: str) -> tuple[int | None, GgufTensor]:

@@ -50,7 +50,8 @@ _TOKENIZER_JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "ad
 # 6: each tensor's stored GGUF type beside the weights (quantization.GGUF_TYPES_FILE).
 # 7: one safetensors shard per layer; an int8 conversion beside the float32 one.
 # 8: the quantized conversion keeps GGUF blocks (Q8_0, Q4_0, Q4_1; other types as Q8_0).
-_FORMAT_VERSION = "8"
+# 9: Q4_K kept as the Q4_1 blocks of its sub-blocks, not Q8_0 blocks of its values.
+_FORMAT_VERSION = "9"
 
 # generation_config.json key -> SamplingParams field
 _GENERATION_KEYS = {

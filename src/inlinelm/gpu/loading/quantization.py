@@ -6,8 +6,9 @@ A GGUF file's conversion records the type each tensor was stored in
 quantized when every checkpoint weight it is made of was stored quantized (``Q4_1``,
 ``Q4_K``, ...): the file's author chose a quantized model. It keeps the blocks its
 checkpoint holds (the quantized conversion keeps the file's own where the kernel computes
-them, ``Q8_0``, ``Q4_0``, ``Q4_1``: :data:`KEPT_TYPES`, and any other type as ``Q8_0``
-blocks of its values), and quantizes float tensors to ``Q8_0``. A float checkpoint (or a GGUF's F32/F16/BF16 tensors) stays float. ``"int8"``
+them, ``Q8_0``, ``Q4_0``, ``Q4_1``: :data:`KEPT_TYPES`; ``Q4_K`` as the ``Q4_1`` blocks
+of its sub-blocks: :data:`CONVERTED_TYPES`; and any other type as ``Q8_0`` blocks of its
+values), and quantizes float tensors to ``Q8_0``. A float checkpoint (or a GGUF's F32/F16/BF16 tensors) stays float. ``"int8"``
 quantizes every linear layer and the embedding to ``Q8_0``; ``"none"`` none. The
 embedding follows the rule of a linear layer (a lookup dequantizes the rows it reads), and
 the tied LM head is made of it, so it follows the embedding's kind.
@@ -33,7 +34,13 @@ BLOCKS_METADATA = "inlinelm.blocks"
 its rows' GGUF blocks, as the engine computes with them."""
 
 KEPT_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})
-"""GGUF types the kernel computes as they are stored (the others become ``Q8_0``)."""
+"""GGUF types the kernel computes as they are stored (the others become ``Q8_0``, but
+:data:`CONVERTED_TYPES`)."""
+
+CONVERTED_TYPES = {"Q4_K": "Q4_1"}
+"""GGUF types whose blocks become a kept kind's without requantizing their values: a
+``Q4_K`` sub-block of 32 is ``d * sc * q - dmin * m``, a ``Q4_1`` block with ``d * sc``
+and ``-dmin * m`` as its float16 scale and offset (``gguf_tensors.q4_k_as_q4_1``)."""
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
@@ -55,7 +62,9 @@ def stored_types(folder: Path) -> dict[str, str]:
 
 def block_kind(gguf_type: str) -> str:
     """The block kind a matrix stored as ``gguf_type`` is kept in."""
-    return gguf_type if gguf_type in KEPT_TYPES else "Q8_0"
+    if gguf_type in KEPT_TYPES:
+        return gguf_type
+    return CONVERTED_TYPES.get(gguf_type, "Q8_0")
 
 
 def module_kind(sources: list[str], blocks: Mapping[str, str]) -> str:

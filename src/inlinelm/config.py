@@ -116,7 +116,7 @@ class EngineConfig:
     # "auto": bfloat16 on CUDA, float32 elsewhere (see model_dtype).
     dtype: DTypeName = "auto"
     # Linear layers' weights block-quantized on a CPU: "auto" for the layers a GGUF file
-    # holds quantized, in their own blocks (Q8_0, Q4_0, Q4_1; other types as Q8_0; float
+    # holds quantized, in their own blocks (Q8_0, Q4_0, Q4_1; Q4_K as Q4_1, others as Q8_0; float
     # checkpoints stay float), "int8" for every one (Q8_0), "none" to dequantize them all to
     # dtype. CUDA keeps float weights (see weight_quantization).
     quantization: QuantizationName = "auto"

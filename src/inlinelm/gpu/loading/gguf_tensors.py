@@ -206,8 +206,9 @@ def write_tensors(
 def _blocks(t: Any) -> tuple[str, np.ndarray]:
     """A quantized GGUF matrix as the blocks the engine computes with (uint8 [rows, blocks'
     bytes]) and their kind: the file's own bytes for a kind the kernel computes
-    (:data:`~inlinelm.gpu.loading.quantization.KEPT_TYPES`), else Q8_0 blocks of its
-    dequantized rows, a band of rows at a time: a large matrix is never whole in float32."""
+    (:data:`~inlinelm.gpu.loading.quantization.KEPT_TYPES`), Q4_K's as Q4_1 blocks
+    (:func:`q4_k_as_q4_1`), else Q8_0 blocks of its dequantized rows, a band of rows at a
+    time: a large matrix is never whole in float32."""
     import gguf
 
     data = t.data.reshape(-1, t.data.shape[-1])  # one row of blocks per weight row

@@ -1,0 +1,177 @@
+"""Reasoning models' text → the reasoning and the answer, one parser per family, chosen by
+name (a registry beside the tool parsers).
+
+Reasoning models think inside ``<think>…</think>`` before they answer:
+
+- ``deepseek_r1``: DeepSeek-R1 and its distills. Their chat templates open the tag in the
+  generation prompt, so the output starts inside the reasoning (a model that writes the
+  opening tag itself is read the same way); everything up to ``</think>`` is reasoning,
+  and an answer cut before the closing tag is all reasoning.
+- ``qwen3``: Qwen3 thinks only when it writes ``<think>`` first; with
+  ``enable_thinking=false`` its template closes an empty block in the prompt and the output
+  is all answer. An output that opened the tag and was cut before closing it is all
+  reasoning.
+- :class:`TagReasoningParser` configured with any two tags (and whether the prompt opens
+  the first) covers the other families.
+
+The split is on text, so a tag that straddles tokens is found whole, and no tag text goes
+into either part. The answer's leading whitespace (the blank line models write after
+``</think>``) is dropped; an empty part is None.
+
+:meth:`ReasoningParser.split` reads a whole output; :meth:`ReasoningParser.stream` returns
+a :class:`ReasoningStream` that splits the deltas of a streamed one, holding back only text
+that may still become a tag, so that its deltas add up to :meth:`~ReasoningParser.split`'s
+parts exactly, however the text was cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+_UNDECIDED = "undecided"  # whether the output opens the reasoning is not known yet
+REASONING = "reasoning"
+ANSWER = "answer"
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningSplit:
+    """A whole output's reasoning and answer (None where empty)."""
+
+    reasoning: str | None
+    content: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class TagReasoningParser:
+    """Reasoning between ``start_tag`` and ``end_tag`` at the start of an output.
+
+    ``opened_by_prompt``: the chat template opens ``start_tag`` in the generation prompt,
+    so the output starts inside the reasoning; else an output that does not start with
+    ``start_tag`` (after whitespace) is all answer.
+    """
+
+    name: str
+    start_tag: str = "<think>"
+    end_tag: str = "</think>"
+    opened_by_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.start_tag or not self.end_tag:
+            raise ValueError("a reasoning parser needs two non-empty tags")
+
+    def split(self, text: str) -> ReasoningSplit:
+        """The reasoning and the answer of a whole output."""
+        stream = self.stream()
+        reasoning, content = stream.feed(text)
+        more_reasoning, more_content = stream.finish()
+        return ReasoningSplit(
+            (reasoning + more_reasoning) or None, (content + more_content) or None
+        )
+
+    def stream(self) -> ReasoningStream:
+        """A splitter for one streamed output."""
+        return ReasoningStream(self)
+
+
+class ReasoningStream:
+    """Splits one output's deltas into reasoning and answer deltas (see the module
+    docstring); :meth:`feed` each delta, then :meth:`finish` once."""
+
+    def __init__(self, parser: TagReasoningParser) -> None:
+        self._parser = parser
+        self._state = REASONING if parser.opened_by_prompt else _UNDECIDED
+        # NOTE: opened by the prompt, the model may still write the opening tag itself
+        self._may_open = True
+        self._answer_started = False
+        self._held = ""
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """This delta's (reasoning, answer) text: either may be empty."""
+        self._held += delta
+        if self._may_open and not self._read_opening():
+            return "", ""
+        reasoning = ""
+        if self._state == REASONING:
+            reasoning, closed = self._read_reasoning()
+            if not closed:
+                return reasoning, ""
+        return reasoning, self._read_answer()
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, once the output has ended: a partial tag is plain text of
+        the part it was in."""
+        held, self._held = self._held, ""
+        if self._state == _UNDECIDED:
+            return "", held.lstrip()
+        if self._state == REASONING:
+            return held, ""
+        return "", held if self._answer_started else held.lstrip()
+
+    def _read_opening(self) -> bool:
+        """Decide from the held text whether the output opens with the reasoning tag;
+        False while whitespace or a prefix of the tag cannot tell yet."""
+        tag = self._parser.start_tag
+        body = self._held.lstrip()
+        if not body or (len(body) < len(tag) and tag.startswith(body)):
+            return False
+        self._may_open = False
+        if body.startswith(tag):
+            self._held = body[len(tag) :]
+            self._state = REASONING
+        elif self._state == _UNDECIDED:
+            self._state = ANSWER
+        return True
+
+    def _read_reasoning(self) -> tuple[str, bool]:
+        """Reasoning text up to the closing tag (or up to what may begin one), and whether
+        the tag was found."""
+        tag = self._parser.end_tag
+        at = self._held.find(tag)
+        if at >= 0:
+            part, self._held = self._held[:at], self._held[at + len(tag) :]
+            self._state = ANSWER
+            return part, True
+        keep = _partial_suffix(self._held, tag)
+        part, self._held = self._held[:keep], self._held[keep:]
+        return part, False
+
+    def _read_answer(self) -> str:
+        """Answer text, its leading whitespace held until other text shows (then dropped)."""
+        if not self._answer_started:
+            body = self._held.lstrip()
+            if not body:
+                return ""
+            self._answer_started = True
+            self._held = body
+        out, self._held = self._held, ""
+        return out
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Where a suffix of ``text`` that is a proper prefix of ``marker`` starts
+    (``len(text)`` when none)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return len(text) - size
+    return len(text)
+
+
+ReasoningParser = TagReasoningParser
+
+PARSERS: Mapping[str, ReasoningParser] = {
+    parser.name: parser
+    for parser in (
+        TagReasoningParser("deepseek_r1", opened_by_prompt=True),
+        TagReasoningParser("qwen3"),
+    )
+}
+
+
+def get_reasoning_parser(name: str) -> ReasoningParser:
+    """The parser registered as ``name`` (``ValueError`` naming the known ones otherwise)."""
+    try:
+        return PARSERS[name]
+    except KeyError:
+        known = ", ".join(sorted(PARSERS))
+        raise ValueError(f"no reasoning parser named {name!r}; known: {known}") from None

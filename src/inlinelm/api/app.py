@@ -14,7 +14,9 @@ from inlinelm.api.page import chat_page_route
 from inlinelm.api.protocol import DEFAULT_MAX_FANOUT, DEFAULT_MAX_REQUEST_BYTES
 from inlinelm.api.router import DEFAULT_SSE_PING_S, openai_router
 from inlinelm.config import EngineConfig
+from inlinelm.reasoning import ReasoningParser
 from inlinelm.runtime.engine import Engine
+from inlinelm.tools.parsers import ToolParser
 
 logger = logging.getLogger("inlinelm.api")
 
@@ -35,6 +37,8 @@ def create_app(
     max_fanout: int = DEFAULT_MAX_FANOUT,
     api_key: str | None = None,
     allowed_hosts: Iterable[str] | None = None,
+    tool_parser: str | ToolParser | None = None,
+    reasoning_parser: str | ReasoningParser | None = None,
 ) -> Starlette:
     """A Starlette app serving the OpenAI-compatible API at its root, and a chat page at ``/``.
 
@@ -73,6 +77,8 @@ def create_app(
         max_fanout=max_fanout,
         api_key=api_key,
         allowed_hosts=allowed_hosts,
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
     )
     app = Starlette(routes=[chat_page_route(), *router.routes], lifespan=lifespan)
     app.state.engine = engine

@@ -62,6 +62,7 @@ class ChatRequest:
     logprobs: bool
     user: str | None
     tools: ToolRequest | None = None
+    include_reasoning: bool = True
 
 
 @dataclass(slots=True)
@@ -103,6 +104,7 @@ def parse_chat(data: Any, limits: Limits) -> ChatRequest:
         logprobs=logprobs,
         user=fields.read_str("user", None),
         tools=tools,
+        include_reasoning=fields.read_bool("include_reasoning", True),
     )
     fields.refuse_rest()
     return request

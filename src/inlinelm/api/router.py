@@ -41,6 +41,7 @@ from inlinelm.api.protocol import (
     parse_tokenize,
 )
 from inlinelm.api.serving import OpenAIServing, error_response, health_of, ready
+from inlinelm.reasoning import ReasoningParser, get_reasoning_parser
 from inlinelm.tools.parsers import ToolParser, get_parser
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ def openai_router(
     api_key: str | None = None,
     tool_parser: str | ToolParser | None = None,
     allowed_hosts: Iterable[str] | None = None,
+    reasoning_parser: str | ReasoningParser | None = None,
 ) -> Router:
     """The OpenAI-compatible API of ``engine`` as a router to mount under any prefix.
 
@@ -75,13 +77,23 @@ def openai_router(
     ``tool_parser`` reads tool calls out of answers to chats that offer tools with
     ``tool_choice`` "auto": a name in :data:`inlinelm.tools.PARSERS` or a
     :class:`~inlinelm.tools.ToolParser`; None picks one by the model's chat template.
+    ``reasoning_parser`` (a name in :data:`inlinelm.reasoning.PARSERS`, or a parser) sends
+    a reasoning model's thinking in ``reasoning_content``, apart from its answer; None
+    leaves chat answers whole.
     The engine is started on the first request if its owner has not started it.
     """
     if max_fanout < 1:
         raise ValueError(f"max_fanout must be at least 1, got {max_fanout}")
     parser = get_parser(tool_parser) if isinstance(tool_parser, str) else tool_parser
+    reasoning = (
+        get_reasoning_parser(reasoning_parser)
+        if isinstance(reasoning_parser, str)
+        else reasoning_parser
+    )
     name = model_name or engine.model_name
-    serving = OpenAIServing(engine, name, max_request_bytes, sse_ping_s, max_fanout, parser)
+    serving = OpenAIServing(
+        engine, name, max_request_bytes, sse_ping_s, max_fanout, parser, reasoning
+    )
     api = OpenAIEndpoints(engine, name, max_request_bytes)
     access = Access(api_key, allowed_hosts)
 

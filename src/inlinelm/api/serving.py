@@ -22,6 +22,7 @@ from inlinelm.api.disconnect import finals_unless_disconnected
 from inlinelm.api.errors import APIError, bad_request, from_exception
 from inlinelm.api.formats import ChatFormat, ChoiceFormat, CompletionFormat
 from inlinelm.api.protocol import CHAT_PARAMS, Limits, parse_chat, parse_completion
+from inlinelm.api.reasoning_format import ReasoningChatFormat
 from inlinelm.api.request_log import log_streamed, log_whole
 from inlinelm.api.responses import ResponseHeader, TokenTexts, new_id, usage
 from inlinelm.api.sse import (
@@ -34,6 +35,7 @@ from inlinelm.api.sse import (
 )
 from inlinelm.api.tool_format import ToolPolicy
 from inlinelm.errors import EngineError, QueueFullError, RequestError, RequestFailedError
+from inlinelm.reasoning import ReasoningParser
 from inlinelm.runtime.prompt_source import Prompt
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.tools.parsers import ToolParser
@@ -50,7 +52,8 @@ class OpenAIServing:
 
     ``model_name``: the id a request must name, if it names one. ``max_request_bytes``
     bounds a body, ``max_fanout`` the engine requests one body becomes (prompts × ``n``);
-    idle streams get an SSE comment every ``sse_ping_s`` seconds; ``tool_parser`` reads
+    idle streams get an SSE comment every ``sse_ping_s`` seconds; ``reasoning_parser``
+    splits a reasoning model's chat answers (:mod:`inlinelm.api.reasoning_format`); ``tool_parser`` reads
     tool calls out of chats with ``tool_choice`` "auto" (None: the chat template's own).
     """
 
@@ -62,6 +65,7 @@ class OpenAIServing:
         sse_ping_s: float,
         max_fanout: int,
         tool_parser: ToolParser | None = None,
+        reasoning_parser: ReasoningParser | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -69,6 +73,7 @@ class OpenAIServing:
         self.sse_ping_s = sse_ping_s
         self.limits = Limits(max_fanout=max_fanout)
         self.tools = ToolPolicy(tool_parser, self.chat_template)
+        self.reasoning = reasoning_parser
         self._texts: TokenTexts | None = None
         self._chat_template: str | None = None
 
@@ -87,6 +92,10 @@ class OpenAIServing:
             return error_response(exc)
         header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
         fmt = self.tools.format(parsed, self.texts())
+        if self.reasoning is not None:
+            fmt = ReasoningChatFormat(
+                fmt, self.reasoning, parsed.include_reasoning, self.texts(), parsed.logprobs
+            )
         if parsed.stream:
             return self._stream_response([stream], header, fmt, parsed.params.n, arrival)
         return await self._whole_response(request, [stream], header, fmt, parsed.params.n, arrival)

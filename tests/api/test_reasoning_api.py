@@ -1,0 +1,147 @@
+"""A reasoning model's chat answers: the thinking in ``reasoning_content``, the answer in
+``content``, whole and streamed (split exactly at the tag however the text is cut), left
+out with ``include_reasoning: false``, and a tool call inside the thinking is no call.
+
+The echo engine answers a chat with its system message (``"system\\n"`` and the text):
+with the ``deepseek_r1`` parser (the prompt opens ``<think>``), everything before the
+system text's ``</think>`` is reasoning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from inlinelm.api import create_app
+from inlinelm.api.formats import ChatFormat
+from inlinelm.api.reasoning_format import ReasoningChatFormat
+from inlinelm.api.responses import TokenTexts
+from inlinelm.api.tool_format import ToolChatFormat
+from inlinelm.reasoning import PARSERS
+from inlinelm.runtime.outputs import CompletionOutput
+from inlinelm.tools import HermesParser
+from tests.api.conftest import ECHO, openai_client, serve
+
+R1 = PARSERS["deepseek_r1"]
+ANSWER = "Let me think.\nIt is 4.</think>\n\nThe answer is 4."
+
+
+class _NoTexts(TokenTexts):
+    def __init__(self) -> None:
+        super().__init__(None)
+
+
+def _format(include: bool = True) -> ReasoningChatFormat:
+    return ReasoningChatFormat(ChatFormat(_NoTexts(), False), R1, include, _NoTexts(), False)
+
+
+def _streamed(fmt: ReasoningChatFormat, pieces: list[str]) -> list[dict[str, Any]]:
+    choices = [
+        fmt.delta(0, p, None, "stop" if i == len(pieces) - 1 else None)
+        for i, p in enumerate(pieces)
+    ]
+    return [c for c in choices if c is not None]
+
+
+def _parts(choices: list[dict[str, Any]]) -> tuple[str, str]:
+    reasoning = "".join(c["delta"].get("reasoning_content", "") for c in choices)
+    content = "".join(c["delta"].get("content", "") for c in choices)
+    return reasoning, content
+
+
+@pytest.mark.parametrize("cut", range(1, len(ANSWER)))
+def test_a_streamed_answer_cut_anywhere_splits_at_the_tag(cut: int) -> None:
+    sent = _streamed(_format(), [ANSWER[:cut], ANSWER[cut:]])
+    assert _parts(sent) == ("Let me think.\nIt is 4.", "The answer is 4.")
+    assert sent[-1]["finish_reason"] == "stop"
+    assert not any("think>" in str(c["delta"]) for c in sent)
+
+
+def test_a_token_by_token_stream_sends_reasoning_first_then_content() -> None:
+    sent = _streamed(_format(), list(ANSWER))
+    kinds = [next(iter(c["delta"])) for c in sent if c["delta"]]
+    first_content = kinds.index("content")
+    assert set(kinds[:first_content]) == {"reasoning_content"}
+    assert set(kinds[first_content:]) == {"content"}
+
+
+def test_the_whole_answer_carries_both_and_include_reasoning_false_drops_the_thinking() -> None:
+    output = CompletionOutput(0, ANSWER, [], "stop")
+    message = _format().whole(0, output)["message"]
+    assert message == {
+        "role": "assistant",
+        "reasoning_content": "Let me think.\nIt is 4.",
+        "content": "The answer is 4.",
+    }
+    assert _format(include=False).whole(0, output)["message"] == {
+        "role": "assistant",
+        "content": "The answer is 4.",
+    }
+    assert _parts(_streamed(_format(include=False), list(ANSWER))) == ("", "The answer is 4.")
+
+
+def test_a_tool_call_inside_the_thinking_is_no_call() -> None:
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    fmt = ReasoningChatFormat(
+        ToolChatFormat(_NoTexts(), False, HermesParser()), R1, True, _NoTexts(), False
+    )
+    choice = fmt.whole(0, CompletionOutput(0, f"maybe {call}</think>No call.", [], "stop"))
+    assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+    assert choice["message"]["reasoning_content"] == f"maybe {call}"
+    assert choice["message"]["content"] == "No call."
+    after = fmt.whole(1, CompletionOutput(1, f"plan</think>{call}", [], "stop"))
+    assert after["finish_reason"] == "tool_calls"
+    assert after["message"]["tool_calls"][0]["function"]["name"] == "f"
+
+
+# -- the openai SDK against an echo server with the deepseek_r1 parser ----------------------
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[openai.OpenAI]:
+    app = create_app(ECHO, reasoning_parser="deepseek_r1")
+    for server in serve(app):
+        with openai_client(server.url) as c:
+            yield c
+
+
+MESSAGES: list[Any] = [
+    {"role": "system", "content": "I should add.</think>\n\n2 + 2 = 4"},
+    {"role": "user", "content": "2 + 2?"},
+]
+
+
+def test_the_sdk_reads_reasoning_content_apart_from_the_answer(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="default", messages=MESSAGES)
+    message = reply.choices[0].message
+    assert message.content == "2 + 2 = 4"
+    assert (message.model_extra or {})["reasoning_content"] == "system\nI should add."
+
+
+def test_a_stream_sends_reasoning_content_deltas_then_content(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model="default", messages=MESSAGES, stream=True)
+    reasoning = content = ""
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        content += delta.content or ""
+    assert (reasoning, content) == ("system\nI should add.", "2 + 2 = 4")
+
+
+def test_include_reasoning_false_answers_without_it(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="default", messages=MESSAGES, extra_body={"include_reasoning": False}
+    )
+    message = reply.choices[0].message
+    assert message.content == "2 + 2 = 4"
+    assert "reasoning_content" not in (message.model_extra or {})
+
+
+def test_an_unknown_parser_is_refused_when_the_app_is_made() -> None:
+    with pytest.raises(ValueError, match="no reasoning parser named 'r2'"):
+        create_app(ECHO, reasoning_parser="r2")

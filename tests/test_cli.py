@@ -126,6 +126,29 @@ def test_the_edge_flags_build_the_limits_with_sane_defaults() -> None:
     assert build_parser().parse_args(["serve"]).allowed_hosts is None
 
 
+def test_the_parser_flags_reach_the_app(monkeypatch: pytest.MonkeyPatch) -> None:
+    import inlinelm.api
+
+    class Made(Exception):
+        pass
+
+    seen: dict[str, object] = {}
+
+    def create_app(engine: object, **options: object) -> None:
+        seen.update(options)
+        raise Made
+
+    monkeypatch.setattr(inlinelm.api, "create_app", create_app)
+    args = build_parser().parse_args(
+        ["serve", "--runner", "echo", "--reasoning-parser", "qwen3", "--tool-parser", "hermes"]
+    )
+    with pytest.raises(Made):
+        cli.serve(args)
+    assert seen["reasoning_parser"] == "qwen3" and seen["tool_parser"] == "hermes"
+    defaults = build_parser().parse_args(["serve"])
+    assert defaults.reasoning_parser is None and defaults.tool_parser is None
+
+
 @pytest.mark.parametrize(
     ("argv", "environ", "message"),
     [
@@ -162,6 +185,8 @@ def _must_not_serve(args: object) -> int:
         ["serve", "--max-n", "many"],
         ["serve", "--nope"],
         ["serve", "--kv-cache-bytes", "lots"],
+        ["serve", "--reasoning-parser", "r2"],
+        ["serve", "--tool-parser", "xml"],
     ],
 )
 def test_bad_flags_exit_with_usage(argv: list[str]) -> None:

@@ -87,6 +87,8 @@ def serve(args: argparse.Namespace) -> int:
         max_fanout=args.max_fanout,
         api_key=api_key(args, os.environ),
         allowed_hosts=args.allowed_hosts,
+        tool_parser=args.tool_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     limits = edge_limits(args)
     config = server_config(
@@ -123,6 +125,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         max_fanout=args.max_fanout,
         api_key=api_key(args, os.environ),
         allowed_hosts=None if args.allowed_hosts is None else tuple(args.allowed_hosts),
+        tool_parser=args.tool_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     app = build_app(engine_config(args), num_replicas=args.replicas, routing=args.routing, api=api)
     run(app, host=args.host, port=args.port, dashboard=args.ray_dashboard)

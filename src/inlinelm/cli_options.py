@@ -29,6 +29,8 @@ from inlinelm.api.protocol import DEFAULT_MAX_FANOUT, DEFAULT_MAX_REQUEST_BYTES
 from inlinelm.api.router import DEFAULT_SSE_PING_S
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError, did_you_mean
+from inlinelm.reasoning import PARSERS as REASONING_PARSERS
+from inlinelm.tools.parsers import PARSERS as TOOL_PARSERS
 
 API_KEY_ENV = "INLINELM_API_KEY"
 
@@ -147,6 +149,20 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         help="Host names served besides localhost, 127.0.0.1 and [::1] ('*': any; "
         "'*.example.com': its subdomains); without an API key nothing else is, against "
         "DNS rebinding (default: none, or any host with an API key)",
+    )
+    group.add_argument(
+        "--tool-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how tool calls are read from answers to chats that offer tools (default: by "
+        "the model's chat template)",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="send a reasoning model's thinking in reasoning_content, apart from its "
+        "answer (default: none, answers whole)",
     )
     group.add_argument(
         "--max-fanout",

@@ -39,6 +39,8 @@ class ApiOptions:
     max_fanout: int = DEFAULT_MAX_FANOUT
     api_key: str | None = None
     allowed_hosts: tuple[str, ...] | None = None
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 class EngineReplica:
@@ -58,6 +60,8 @@ class EngineReplica:
             max_fanout=api.max_fanout,
             api_key=api.api_key,
             allowed_hosts=api.allowed_hosts,
+            tool_parser=api.tool_parser,
+            reasoning_parser=api.reasoning_parser,
         )
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 

@@ -162,7 +162,7 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         choices=sorted(REASONING_PARSERS),
         default=None,
         help="send a reasoning model's thinking in reasoning_content, apart from its "
-        "answer (default: none, answers whole)",
+        "answer (default: by the model's chat template; none where it knows no <think>)",
     )
     group.add_argument(
         "--max-fanout",

@@ -14,7 +14,8 @@ Reasoning models think inside ``<think>…</think>`` before they answer:
 - :class:`TagReasoningParser` configured with any two tags (and whether the prompt opens
   the first) covers the other families.
 
-The split is on text, so a tag that straddles tokens is found whole, and no tag text goes
+:func:`parser_for_template` picks a parser from a model's chat template. The split is on
+text, so a tag that straddles tokens is found whole, and no tag text goes
 into either part. The answer's leading whitespace (the blank line models write after
 ``</think>``) is dropped; an empty part is None.
 
@@ -166,6 +167,18 @@ PARSERS: Mapping[str, ReasoningParser] = {
         TagReasoningParser("qwen3"),
     )
 }
+
+
+def parser_for_template(template: str, generation_prompt: str) -> ReasoningParser | None:
+    """The parser a chat template's family takes: none for a template that knows no
+    ``<think>``; ``deepseek_r1`` when its generation prompt (``generation_prompt``: a turn
+    rendered with ``add_generation_prompt``) ends by opening the tag; ``qwen3`` (thinking
+    only where the output opens it) otherwise."""
+    if "<think>" not in template:
+        return None
+    if generation_prompt.rstrip().endswith("<think>"):
+        return PARSERS["deepseek_r1"]
+    return PARSERS["qwen3"]
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

@@ -10,6 +10,8 @@ system text's ``</think>`` is reasoning.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -20,7 +22,7 @@ from inlinelm.api.formats import ChatFormat
 from inlinelm.api.reasoning_format import ReasoningChatFormat
 from inlinelm.api.responses import TokenTexts
 from inlinelm.api.tool_format import ToolChatFormat
-from inlinelm.reasoning import PARSERS
+from inlinelm.reasoning import PARSERS, parser_for_template
 from inlinelm.runtime.outputs import CompletionOutput
 from inlinelm.tools import HermesParser
 from tests.api.conftest import ECHO, openai_client, serve
@@ -145,3 +147,36 @@ def test_include_reasoning_false_answers_without_it(client: openai.OpenAI) -> No
 def test_an_unknown_parser_is_refused_when_the_app_is_made() -> None:
     with pytest.raises(ValueError, match="no reasoning parser named 'r2'"):
         create_app(ECHO, reasoning_parser="r2")
+
+
+def test_the_template_family_picks_the_parser() -> None:
+    smollm2 = "{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}"
+    assert parser_for_template(smollm2, "<|im_start|>assistant\n") is None
+    r1 = "{{ '<｜Assistant｜><think>\\n' }}"
+    assert parser_for_template(r1, "<｜User｜>?<｜Assistant｜><think>\n") is PARSERS["deepseek_r1"]
+    qwen3 = "{% if enable_thinking is false %}<think>\n\n</think>{% endif %}"
+    assert parser_for_template(qwen3, "<|im_start|>assistant\n") is PARSERS["qwen3"]
+
+
+def test_a_template_that_opens_the_thinking_gets_its_parser_without_being_told(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """The default model's tokenizer with a template whose generation prompt opens
+    ``<think>`` (as DeepSeek-R1's does): no ``reasoning_parser`` given, the answers split."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    assert isinstance(tok.chat_template, str)
+    tok.chat_template = tok.chat_template.replace(
+        "'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'"
+    )
+    assert "<think>" in tok.chat_template
+    tok.save_pretrained(str(tmp_path))
+    app = create_app(replace(ECHO, tokenizer=str(tmp_path)))
+    for server in serve(app):
+        with openai_client(server.url) as c:
+            message = (
+                c.chat.completions.create(model="default", messages=MESSAGES).choices[0].message
+            )
+    assert message.content == "2 + 2 = 4"
+    assert (message.model_extra or {})["reasoning_content"] == "system\nI should add."

@@ -79,7 +79,8 @@ def openai_router(
     :class:`~inlinelm.tools.ToolParser`; None picks one by the model's chat template.
     ``reasoning_parser`` (a name in :data:`inlinelm.reasoning.PARSERS`, or a parser) sends
     a reasoning model's thinking in ``reasoning_content``, apart from its answer; None
-    leaves chat answers whole.
+    picks one by the model's chat template (none for a template without ``<think>``:
+    answers stay whole).
     The engine is started on the first request if its owner has not started it.
     """
     if max_fanout < 1:

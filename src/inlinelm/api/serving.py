@@ -35,7 +35,7 @@ from inlinelm.api.sse import (
 )
 from inlinelm.api.tool_format import ToolPolicy
 from inlinelm.errors import EngineError, QueueFullError, RequestError, RequestFailedError
-from inlinelm.reasoning import ReasoningParser
+from inlinelm.reasoning import ReasoningParser, parser_for_template
 from inlinelm.runtime.prompt_source import Prompt
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.tools.parsers import ToolParser
@@ -53,7 +53,8 @@ class OpenAIServing:
     ``model_name``: the id a request must name, if it names one. ``max_request_bytes``
     bounds a body, ``max_fanout`` the engine requests one body becomes (prompts × ``n``);
     idle streams get an SSE comment every ``sse_ping_s`` seconds; ``reasoning_parser``
-    splits a reasoning model's chat answers (:mod:`inlinelm.api.reasoning_format`); ``tool_parser`` reads
+    splits a reasoning model's chat answers (:mod:`inlinelm.api.reasoning_format`; None:
+    the one the chat template's family takes, if any); ``tool_parser`` reads
     tool calls out of chats with ``tool_choice`` "auto" (None: the chat template's own).
     """
 
@@ -73,7 +74,8 @@ class OpenAIServing:
         self.sse_ping_s = sse_ping_s
         self.limits = Limits(max_fanout=max_fanout)
         self.tools = ToolPolicy(tool_parser, self.chat_template)
-        self.reasoning = reasoning_parser
+        self._reasoning = reasoning_parser
+        self._reasoning_chosen = reasoning_parser is not None
         self._texts: TokenTexts | None = None
         self._chat_template: str | None = None
 
@@ -92,9 +94,10 @@ class OpenAIServing:
             return error_response(exc)
         header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
         fmt = self.tools.format(parsed, self.texts())
-        if self.reasoning is not None:
+        reasoning = self.reasoning()
+        if reasoning is not None:
             fmt = ReasoningChatFormat(
-                fmt, self.reasoning, parsed.include_reasoning, self.texts(), parsed.logprobs
+                fmt, reasoning, parsed.include_reasoning, self.texts(), parsed.logprobs
             )
         if parsed.stream:
             return self._stream_response([stream], header, fmt, parsed.params.n, arrival)
@@ -125,6 +128,27 @@ class OpenAIServing:
         if self._texts is None:
             self._texts = TokenTexts(self.engine.tokenizer)
         return self._texts
+
+    def reasoning(self) -> ReasoningParser | None:
+        """The server's reasoning parser, else the one the chat template's family takes
+        (chosen on first use: :func:`~inlinelm.reasoning.parser_for_template`)."""
+        if not self._reasoning_chosen:
+            template = self.chat_template()
+            prompt = ""
+            if "<think>" in template:
+                try:
+                    prompt = self.engine.tokenizer.apply_chat_template(
+                        [{"role": "user", "content": "?"}],
+                        tokenize=False,
+                        add_generation_prompt=True,
+                    )
+                except (
+                    Exception
+                ):  # NOTE: the template's boundary: a chat renders it later, or fails then
+                    prompt = ""
+            self._reasoning = parser_for_template(template, prompt)
+            self._reasoning_chosen = True
+        return self._reasoning
 
     def chat_template(self) -> str:
         """The model's chat template source (read on first use, like :meth:`texts`)."""

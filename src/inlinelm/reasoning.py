@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from inlinelm.tools.parsers import partial_suffix
+
 _UNDECIDED = "undecided"  # whether the output opens the reasoning is not known yet
 REASONING = "reasoning"
 ANSWER = "answer"
@@ -133,7 +135,7 @@ class ReasoningStream:
             part, self._held = self._held[:at], self._held[at + len(tag) :]
             self._state = ANSWER
             return part, True
-        keep = _partial_suffix(self._held, tag)
+        keep = partial_suffix(self._held, tag)
         part, self._held = self._held[:keep], self._held[keep:]
         return part, False
 
@@ -147,15 +149,6 @@ class ReasoningStream:
             self._held = body
         out, self._held = self._held, ""
         return out
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Where a suffix of ``text`` that is a proper prefix of ``marker`` starts
-    (``len(text)`` when none)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return len(text) - size
-    return len(text)
 
 
 ReasoningParser = TagReasoningParser

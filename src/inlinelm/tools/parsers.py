@@ -65,7 +65,7 @@ def _call(value: Any, *argument_keys: str) -> ToolCall | None:
     return None if arguments is None else ToolCall.of(value["name"], arguments)
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Where a suffix of ``text`` that is a proper prefix of ``marker`` starts
     (``len(text)`` when none)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -107,7 +107,7 @@ class HermesParser:
 
     def hold_from(self, text: str) -> int:
         start = text.find(self.open_tag)
-        return start if start >= 0 else _partial_suffix(text, self.open_tag)
+        return start if start >= 0 else partial_suffix(text, self.open_tag)
 
 
 class Llama3JsonParser:

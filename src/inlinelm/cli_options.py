@@ -159,10 +159,11 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--reasoning-parser",
-        choices=sorted(REASONING_PARSERS),
+        choices=[*sorted(REASONING_PARSERS), "none"],
         default=None,
         help="send a reasoning model's thinking in reasoning_content, apart from its "
-        "answer (default: by the model's chat template; none where it knows no <think>)",
+        "answer (default: by the model's chat template, none where it knows no <think>; "
+        "'none': answers whole)",
     )
     group.add_argument(
         "--max-fanout",

@@ -162,7 +162,8 @@ def test_a_template_that_opens_the_thinking_gets_its_parser_without_being_told(
     tokenizer_dir: Path, tmp_path: Path
 ) -> None:
     """The default model's tokenizer with a template whose generation prompt opens
-    ``<think>`` (as DeepSeek-R1's does): no ``reasoning_parser`` given, the answers split."""
+    ``<think>`` (as DeepSeek-R1's does): no ``reasoning_parser`` given, the answers split;
+    ``"none"``, they stay whole."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -180,3 +181,8 @@ def test_a_template_that_opens_the_thinking_gets_its_parser_without_being_told(
             )
     assert message.content == "2 + 2 = 4"
     assert (message.model_extra or {})["reasoning_content"] == "system\nI should add."
+    whole_app = create_app(replace(ECHO, tokenizer=str(tmp_path)), reasoning_parser="none")
+    for server in serve(whole_app):
+        with openai_client(server.url) as c:
+            whole = c.chat.completions.create(model="default", messages=MESSAGES).choices[0]
+    assert whole.message.content == "system\nI should add.</think>\n\n2 + 2 = 4"

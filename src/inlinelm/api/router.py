@@ -80,7 +80,7 @@ def openai_router(
     ``reasoning_parser`` (a name in :data:`inlinelm.reasoning.PARSERS`, or a parser) sends
     a reasoning model's thinking in ``reasoning_content``, apart from its answer; None
     picks one by the model's chat template (none for a template without ``<think>``:
-    answers stay whole).
+    answers stay whole); ``"none"`` leaves every answer whole.
     The engine is started on the first request if its owner has not started it.
     """
     if max_fanout < 1:
@@ -88,12 +88,21 @@ def openai_router(
     parser = get_parser(tool_parser) if isinstance(tool_parser, str) else tool_parser
     reasoning = (
         get_reasoning_parser(reasoning_parser)
-        if isinstance(reasoning_parser, str)
+        if isinstance(reasoning_parser, str) and reasoning_parser != "none"
+        else None
+        if reasoning_parser == "none"
         else reasoning_parser
     )
     name = model_name or engine.model_name
     serving = OpenAIServing(
-        engine, name, max_request_bytes, sse_ping_s, max_fanout, parser, reasoning
+        engine,
+        name,
+        max_request_bytes,
+        sse_ping_s,
+        max_fanout,
+        parser,
+        reasoning,
+        reasoning_by_template=reasoning_parser is None,
     )
     api = OpenAIEndpoints(engine, name, max_request_bytes)
     access = Access(api_key, allowed_hosts)

@@ -54,7 +54,8 @@ class OpenAIServing:
     bounds a body, ``max_fanout`` the engine requests one body becomes (prompts × ``n``);
     idle streams get an SSE comment every ``sse_ping_s`` seconds; ``reasoning_parser``
     splits a reasoning model's chat answers (:mod:`inlinelm.api.reasoning_format`; None:
-    the one the chat template's family takes, if any); ``tool_parser`` reads
+    the one the chat template's family takes, if any, unless not ``reasoning_by_template``);
+    ``tool_parser`` reads
     tool calls out of chats with ``tool_choice`` "auto" (None: the chat template's own).
     """
 
@@ -67,6 +68,8 @@ class OpenAIServing:
         max_fanout: int,
         tool_parser: ToolParser | None = None,
         reasoning_parser: ReasoningParser | None = None,
+        *,
+        reasoning_by_template: bool = True,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -75,7 +78,7 @@ class OpenAIServing:
         self.limits = Limits(max_fanout=max_fanout)
         self.tools = ToolPolicy(tool_parser, self.chat_template)
         self._reasoning = reasoning_parser
-        self._reasoning_chosen = reasoning_parser is not None
+        self._reasoning_chosen = reasoning_parser is not None or not reasoning_by_template
         self._texts: TokenTexts | None = None
         self._chat_template: str | None = None
 

@@ -86,13 +86,11 @@ def openai_router(
     if max_fanout < 1:
         raise ValueError(f"max_fanout must be at least 1, got {max_fanout}")
     parser = get_parser(tool_parser) if isinstance(tool_parser, str) else tool_parser
-    reasoning = (
-        get_reasoning_parser(reasoning_parser)
-        if isinstance(reasoning_parser, str) and reasoning_parser != "none"
-        else None
-        if reasoning_parser == "none"
-        else reasoning_parser
-    )
+    reasoning: ReasoningParser | None = None
+    if isinstance(reasoning_parser, str):
+        reasoning = None if reasoning_parser == "none" else get_reasoning_parser(reasoning_parser)
+    else:
+        reasoning = reasoning_parser
     name = model_name or engine.model_name
     serving = OpenAIServing(
         engine,

@@ -237,9 +237,14 @@ enum Loops : int64_t { kFastest = 0, kAvx2 = 1, kPlain = 2, kInteger = 3, kBf16 
 constexpr int64_t kBf16Rows = 64;
 constexpr int64_t kAmxRows = 16;  // AMX multiplies 16 rows a tile: fewer would be padding
 
+// Whether a call of M rows takes AMX's int8 tiles (its activations are then padded to whole
+// tiles of 16 rows).
+bool takes_amx(int64_t M, int64_t loops) {
+  return loops == kAmx || (loops == kFastest && M >= kAmxRows && amx_ready());
+}
+
 void tiles_range(const Call& c, int64_t M, int64_t t0, int64_t t1, int64_t loops) {
-  if (loops == kAmx || (loops == kFastest && M >= kAmxRows && amx_ready()))
-    return tiles_range_amx(c, M, t0, t1);
+  if (takes_amx(M, loops)) return tiles_range_amx(c, M, t0, t1);
 #if INLINELM_VNNI
   if (loops == kFastest || loops == kInteger) {
     if (c.f.kind == kQ8_0) return tiles_range_vnni<kQ8_0>(c, 0, M, t0, t1);
@@ -292,7 +297,8 @@ torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& data, in
     linear_bf16(f, data.data_ptr<uint8_t>(), x.data_ptr<float>(), M, b, y.data_ptr<float>());
     return y;
   }
-  const Activations a = quantize_activations(x.data_ptr<float>(), M, cols, (M + 15) / 16 * 16);
+  const int64_t padded = takes_amx(M, loops) ? (M + 15) / 16 * 16 : M;
+  const Activations a = quantize_activations(x.data_ptr<float>(), M, cols, padded);
   const Call c{f, data.data_ptr<uint8_t>(), &a, b, y.data_ptr<float>()};
   // NOTE: tiles split over the threads, 4 at a time (64 rows: a few KiB of weights a
   // group), every activation row against each, so a tile is read from memory once.

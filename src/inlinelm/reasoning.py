@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from inlinelm.tools.parsers import partial_suffix
+from inlinelm.tools.parsers import partial_suffix, registered
 
 _UNDECIDED = "undecided"  # whether the output opens the reasoning is not known yet
 REASONING = "reasoning"
@@ -176,8 +176,4 @@ def parser_for_template(template: str, generation_prompt: str) -> ReasoningParse
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
     """The parser registered as ``name`` (``ValueError`` naming the known ones otherwise)."""
-    try:
-        return PARSERS[name]
-    except KeyError:
-        known = ", ".join(sorted(PARSERS))
-        raise ValueError(f"no reasoning parser named {name!r}; known: {known}") from None
+    return registered(PARSERS, name, "reasoning parser")

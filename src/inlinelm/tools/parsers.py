@@ -19,9 +19,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from inlinelm.tools.calls import ParsedOutput, ToolCall
+
+T = TypeVar("T")
 
 
 class ToolParser(Protocol):
@@ -153,13 +155,18 @@ PARSERS: Mapping[str, ToolParser] = {
 }
 
 
+def registered(registry: Mapping[str, T], name: str, what: str) -> T:
+    """``registry[name]``, else a ``ValueError`` naming ``what`` and the known names."""
+    try:
+        return registry[name]
+    except KeyError:
+        known = ", ".join(sorted(registry))
+        raise ValueError(f"no {what} named {name!r}; known: {known}") from None
+
+
 def get_parser(name: str) -> ToolParser:
     """The parser registered as ``name`` (``ValueError`` naming the known ones otherwise)."""
-    try:
-        return PARSERS[name]
-    except KeyError:
-        known = ", ".join(sorted(PARSERS))
-        raise ValueError(f"no tool-call parser named {name!r}; known: {known}") from None
+    return registered(PARSERS, name, "tool-call parser")
 
 
 def parser_for_template(template: str | None) -> ToolParser:

@@ -28,31 +28,15 @@ Policy, in order of precedence:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from inlinelm.config import EngineConfig
+from inlinelm.sched.budget import StepBudget
 from inlinelm.sched.kv_cache_manager import KVCacheManager, PrefixCacheStats, served_context_len
 from inlinelm.sched.output import EngineCoreOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from inlinelm.sched.request import FinishReason, Request, RequestStatus
 from inlinelm.sched.runner import ModelRunnerOutput
 from inlinelm.sched.stop_checks import check_stop
 from inlinelm.sched.waiting_queue import WaitingQueue
-
-
-@dataclass(slots=True)
-class _Budget:
-    """What is left of one step's token budget and sequence cap."""
-
-    num_tokens: int
-    num_seqs: int
-
-    @property
-    def exhausted(self) -> bool:
-        return self.num_tokens <= 0 or self.num_seqs <= 0
-
-    def take(self, num_tokens: int) -> None:
-        self.num_tokens -= num_tokens
-        self.num_seqs -= 1
 
 
 class Scheduler:
@@ -167,7 +151,7 @@ class Scheduler:
 
         Never exceeds ``max_num_batched_tokens`` tokens or ``max_num_seqs`` sequences.
         """
-        budget = _Budget(self.config.max_num_batched_tokens, self.max_num_seqs)
+        budget = StepBudget(self.config.max_num_batched_tokens, self.max_num_seqs)
         scheduled: list[ScheduledRequest] = []
         num_preemptions = self.num_preemptions
         self._schedule_running(budget, scheduled)
@@ -177,7 +161,7 @@ class Scheduler:
         num_batched_tokens = self.config.max_num_batched_tokens - budget.num_tokens
         return SchedulerOutput(scheduled, num_batched_tokens, removed_ids)
 
-    def _schedule_running(self, budget: _Budget, scheduled: list[ScheduledRequest]) -> None:
+    def _schedule_running(self, budget: StepBudget, scheduled: list[ScheduledRequest]) -> None:
         # NOTE: one pass over running, which runs for every request every step: a decode
         # whose token fits the blocks it holds is taken inline, the rest through the
         # general path; prefill chunks come after every decode.
@@ -227,7 +211,7 @@ class Scheduler:
             if num_tokens and self._allocate_or_preempt(request, num_tokens, scheduled):
                 self._take(request, num_tokens, left, budget, scheduled)
 
-    def _schedule_waiting(self, budget: _Budget, scheduled: list[ScheduledRequest]) -> None:
+    def _schedule_waiting(self, budget: StepBudget, scheduled: list[ScheduledRequest]) -> None:
         while not budget.exhausted and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request is None or not self._admit(request, budget, scheduled):
@@ -245,7 +229,9 @@ class Scheduler:
             self._preempt(request)
         return True
 
-    def _admit(self, request: Request, budget: _Budget, scheduled: list[ScheduledRequest]) -> bool:
+    def _admit(
+        self, request: Request, budget: StepBudget, scheduled: list[ScheduledRequest]
+    ) -> bool:
         limit = self.long_context_from
         if limit is not None and not request.long_context and request.num_tokens > limit:
             request.long_context = True
@@ -268,7 +254,7 @@ class Scheduler:
         request: Request,
         num_tokens: int,
         num_left: int,
-        budget: _Budget,
+        budget: StepBudget,
         scheduled: list[ScheduledRequest],
     ) -> None:
         """Put ``num_tokens`` of the ``num_left`` uncomputed tokens into this step."""
@@ -281,7 +267,7 @@ class Scheduler:
         request.num_pending_samples += samples
         budget.take(num_tokens)
 
-    def _num_tokens_to_schedule(self, num_uncomputed: int, budget: _Budget) -> int:
+    def _num_tokens_to_schedule(self, num_uncomputed: int, budget: StepBudget) -> int:
         """How many of ``num_uncomputed`` tokens fit this step (0: none)."""
         if num_uncomputed > budget.num_tokens and not self.config.enable_chunked_prefill:
             return 0

@@ -139,15 +139,14 @@ class OpenAIServing:
             template = self.chat_template()
             prompt = ""
             if "<think>" in template:
+                # NOTE: the template's boundary: one that cannot render here fails a chat later
                 try:
                     prompt = self.engine.tokenizer.apply_chat_template(
                         [{"role": "user", "content": "?"}],
                         tokenize=False,
                         add_generation_prompt=True,
                     )
-                except (
-                    Exception
-                ):  # NOTE: the template's boundary: a chat renders it later, or fails then
+                except Exception:
                     prompt = ""
             self._reasoning = parser_for_template(template, prompt)
             self._reasoning_chosen = True

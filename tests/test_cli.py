@@ -126,7 +126,9 @@ def test_the_edge_flags_build_the_limits_with_sane_defaults() -> None:
     assert build_parser().parse_args(["serve"]).allowed_hosts is None
 
 
-def test_the_parser_flags_reach_the_app(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_parser_and_chat_template_flags_reach_the_engine_and_the_app(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import inlinelm.api
 
     class Made(Exception):
@@ -134,19 +136,37 @@ def test_the_parser_flags_reach_the_app(monkeypatch: pytest.MonkeyPatch) -> None
 
     seen: dict[str, object] = {}
 
-    def create_app(engine: object, **options: object) -> None:
-        seen.update(options)
+    def create_app(engine: Any, **options: object) -> None:
+        seen.update(options, config=engine.config)
         raise Made
 
     monkeypatch.setattr(inlinelm.api, "create_app", create_app)
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
     args = build_parser().parse_args(
-        ["serve", "--runner", "echo", "--reasoning-parser", "qwen3", "--tool-parser", "hermes"]
+        [
+            "serve",
+            "--runner",
+            "echo",
+            "--reasoning-parser",
+            "qwen3",
+            "--tool-parser",
+            "hermes",
+            "--chat-template",
+            str(template),
+            "--default-chat-template-kwargs",
+            '{"enable_thinking": false}',
+        ]
     )
     with pytest.raises(Made):
         cli.serve(args)
-    assert seen["reasoning_parser"] == "qwen3" and seen["tool_parser"] == "hermes"
-    defaults = build_parser().parse_args(["serve"])
-    assert defaults.reasoning_parser is None and defaults.tool_parser is None
+    config = seen["config"]
+    assert isinstance(config, EngineConfig)
+    assert config.reasoning_parser == "qwen3" and seen["tool_parser"] == "hermes"
+    assert config.chat_template == str(template)
+    assert config.default_chat_template_kwargs == {"enable_thinking": False}
+    defaults = engine_config(build_parser().parse_args(["serve"]))
+    assert defaults.reasoning_parser == "auto" and defaults.chat_template is None
 
 
 @pytest.mark.parametrize(
@@ -186,6 +206,8 @@ def _must_not_serve(args: object) -> int:
         ["serve", "--nope"],
         ["serve", "--kv-cache-bytes", "lots"],
         ["serve", "--reasoning-parser", "r2"],
+        ["serve", "--default-chat-template-kwargs", "[1]"],
+        ["serve", "--default-chat-template-kwargs", "{nope"],
         ["serve", "--tool-parser", "xml"],
     ],
 )

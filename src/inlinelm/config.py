@@ -178,6 +178,14 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_cache_size: int = 256
     grammar_cache_bytes: int = 512 * 1024**2
+    # Chats: a Jinja chat template (its text, or the path of a file holding it) in place of
+    # the tokenizer's; template variables every chat is rendered with (a request's own
+    # chat_template_kwargs update them), e.g. {"enable_thinking": False}; the reasoning
+    # parser that splits a chat's thinking from its answer (CompletionOutput.reasoning):
+    # "auto" the one the chat template's family takes, a registered name, or "none".
+    chat_template: str | None = None
+    default_chat_template_kwargs: Mapping[str, Any] | None = None
+    reasoning_parser: str = "auto"
     # Sampling defaults for requests that leave a field unset; None: the model's
     # generation_config.json, else FALLBACK_SAMPLING (see sampling_defaults).
     default_max_tokens: int | None = None
@@ -250,6 +258,35 @@ class EngineConfig:
                 f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}", option="device"
             )
         self._validate_sampling_defaults()
+        self._validate_chat()
+
+    def _validate_chat(self) -> None:
+        """The chat options: a template that can be read, template variables that can be
+        passed, a reasoning parser that exists."""
+        from inlinelm.chat_template import read_chat_template, template_kwargs_error
+        from inlinelm.reasoning import PARSERS
+
+        if self.chat_template is not None:
+            try:
+                read_chat_template(self.chat_template)
+            except (OSError, ValueError) as e:
+                raise ConfigError(
+                    f"chat_template: not a template, nor a file holding one: {e}",
+                    option="chat_template",
+                ) from None
+        if self.default_chat_template_kwargs is not None:
+            why = template_kwargs_error(self.default_chat_template_kwargs)
+            if why is not None:
+                raise ConfigError(
+                    f"default_chat_template_kwargs {why}", option="default_chat_template_kwargs"
+                )
+        known = ["auto", "none", *PARSERS]
+        if self.reasoning_parser not in known:
+            raise ConfigError(
+                f"reasoning_parser must be one of {', '.join(known)}, "
+                f"got {self.reasoning_parser!r}",
+                option="reasoning_parser",
+            )
 
     def _validate_sampling_defaults(self) -> None:
         """Each ``default_*`` option must be a value its request field accepts."""

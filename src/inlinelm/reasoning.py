@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from inlinelm.errors import RequestError
 from inlinelm.tools.parsers import partial_suffix, registered
 
 _UNDECIDED = "undecided"  # whether the output opens the reasoning is not known yet
@@ -88,10 +89,15 @@ class ReasoningStream:
         self._may_open = True
         self._answer_started = False
         self._held = ""
+        self._fed = 0  # characters fed so far
+        # (tokens, characters) per engine step while the reasoning may go on; then the count
+        self._marks: list[tuple[int, int]] | None = []
+        self._num_reasoning_tokens = 0
 
     def feed(self, delta: str) -> tuple[str, str]:
         """This delta's (reasoning, answer) text: either may be empty."""
         self._held += delta
+        self._fed += len(delta)
         if self._may_open and not self._read_opening():
             return "", ""
         reasoning = ""
@@ -111,6 +117,29 @@ class ReasoningStream:
             return held, ""
         return "", held if self._answer_started else held.lstrip()
 
+    def mark(self, num_tokens: int, num_chars: int) -> None:
+        """Note that the output's first ``num_tokens`` tokens decode to ``num_chars``
+        characters (once per engine step, before the text is fed): what
+        :meth:`reasoning_tokens` counts by. Kept only while the reasoning may go on."""
+        if self._marks is not None:
+            self._marks.append((num_tokens, num_chars))
+
+    def reasoning_tokens(self, num_tokens: int) -> int:
+        """How many of the output's ``num_tokens`` tokens are reasoning, its tags included:
+        those up to the one that completes the closing tag; all of them while the
+        reasoning is open; none for an output that is all answer."""
+        if self._state == REASONING:
+            return num_tokens
+        return self._num_reasoning_tokens
+
+    def _count_until(self, closed_at: int) -> None:
+        """The reasoning ended at character ``closed_at``: count its tokens by the marks."""
+        marks, self._marks = self._marks or [], None
+        self._num_reasoning_tokens = next(
+            (tokens for tokens, chars in marks if chars >= closed_at),
+            marks[-1][0] if marks else 0,
+        )
+
     def _read_opening(self) -> bool:
         """Decide from the held text whether the output opens with the reasoning tag;
         False while whitespace or a prefix of the tag cannot tell yet."""
@@ -124,6 +153,7 @@ class ReasoningStream:
             self._state = REASONING
         elif self._state == _UNDECIDED:
             self._state = ANSWER
+            self._marks = None
         return True
 
     def _read_reasoning(self) -> tuple[str, bool]:
@@ -134,6 +164,7 @@ class ReasoningStream:
         if at >= 0:
             part, self._held = self._held[:at], self._held[at + len(tag) :]
             self._state = ANSWER
+            self._count_until(self._fed - len(self._held))
             return part, True
         keep = partial_suffix(self._held, tag)
         part, self._held = self._held[:keep], self._held[keep:]
@@ -172,6 +203,20 @@ def parser_for_template(template: str, generation_prompt: str) -> ReasoningParse
     if generation_prompt.rstrip().endswith("<think>"):
         return PARSERS["deepseek_r1"]
     return PARSERS["qwen3"]
+
+
+def reasoning_choice(value: str | ReasoningParser | None) -> ReasoningParser | str | None:
+    """A chat's ``reasoning_parser`` as a submission takes it: None (the engine's),
+    ``"none"``, or a parser (a name looked up; an unknown one is a ``RequestError``)."""
+    if not isinstance(value, str) or value == "none":
+        return value
+    parser = PARSERS.get(value)
+    if parser is None:
+        known = ", ".join(["none", *PARSERS])
+        raise RequestError(
+            f"unknown reasoning parser {value!r}; known: {known}", param="reasoning_parser"
+        )
+    return parser
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

@@ -21,10 +21,8 @@ from inlinelm.api import create_app
 from inlinelm.api.formats import ChatFormat
 from inlinelm.api.reasoning_format import ReasoningChatFormat
 from inlinelm.api.responses import TokenTexts
-from inlinelm.api.tool_format import ToolChatFormat
 from inlinelm.reasoning import PARSERS, parser_for_template
 from inlinelm.runtime.outputs import CompletionOutput
-from inlinelm.tools import HermesParser
 from tests.api.conftest import ECHO, openai_client, serve
 
 R1 = PARSERS["deepseek_r1"]
@@ -37,14 +35,23 @@ class _NoTexts(TokenTexts):
 
 
 def _format(include: bool = True) -> ReasoningChatFormat:
-    return ReasoningChatFormat(ChatFormat(_NoTexts(), False), R1, include, _NoTexts(), False)
+    return ReasoningChatFormat(ChatFormat(_NoTexts(), False), include, _NoTexts(), False)
 
 
-def _streamed(fmt: ReasoningChatFormat, pieces: list[str]) -> list[dict[str, Any]]:
-    choices = [
-        fmt.delta(0, p, None, "stop" if i == len(pieces) - 1 else None)
-        for i, p in enumerate(pieces)
-    ]
+def _streamed(fmt: ReasoningChatFormat, text: str) -> list[dict[str, Any]]:
+    """The chunk choices of ``text`` streamed one character per engine output, split as
+    the engine splits it."""
+    stream = R1.stream()
+    choices = []
+    for i, char in enumerate(text):
+        last = i == len(text) - 1
+        reasoning, content = stream.feed(char)
+        if last:
+            more_reasoning, more_content = stream.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        if reasoning or content or last:
+            reason = "stop" if last else None
+            choices.append(fmt.delta(0, content, None, reason, reasoning or None))
     return [c for c in choices if c is not None]
 
 
@@ -54,16 +61,10 @@ def _parts(choices: list[dict[str, Any]]) -> tuple[str, str]:
     return reasoning, content
 
 
-@pytest.mark.parametrize("cut", range(1, len(ANSWER)))
-def test_a_streamed_answer_cut_anywhere_splits_at_the_tag(cut: int) -> None:
-    sent = _streamed(_format(), [ANSWER[:cut], ANSWER[cut:]])
+def test_a_stream_sends_reasoning_content_first_then_content() -> None:
+    sent = _streamed(_format(), ANSWER)
     assert _parts(sent) == ("Let me think.\nIt is 4.", "The answer is 4.")
     assert sent[-1]["finish_reason"] == "stop"
-    assert not any("think>" in str(c["delta"]) for c in sent)
-
-
-def test_a_token_by_token_stream_sends_reasoning_first_then_content() -> None:
-    sent = _streamed(_format(), list(ANSWER))
     kinds = [next(iter(c["delta"])) for c in sent if c["delta"]]
     first_content = kinds.index("content")
     assert set(kinds[:first_content]) == {"reasoning_content"}
@@ -71,7 +72,8 @@ def test_a_token_by_token_stream_sends_reasoning_first_then_content() -> None:
 
 
 def test_the_whole_answer_carries_both_and_include_reasoning_false_drops_the_thinking() -> None:
-    output = CompletionOutput(0, ANSWER, [], "stop")
+    split = R1.split(ANSWER)
+    output = CompletionOutput(0, split.content or "", [], "stop", reasoning=split.reasoning)
     message = _format().whole(0, output)["message"]
     assert message == {
         "role": "assistant",
@@ -82,21 +84,7 @@ def test_the_whole_answer_carries_both_and_include_reasoning_false_drops_the_thi
         "role": "assistant",
         "content": "The answer is 4.",
     }
-    assert _parts(_streamed(_format(include=False), list(ANSWER))) == ("", "The answer is 4.")
-
-
-def test_a_tool_call_inside_the_thinking_is_no_call() -> None:
-    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
-    fmt = ReasoningChatFormat(
-        ToolChatFormat(_NoTexts(), False, HermesParser()), R1, True, _NoTexts(), False
-    )
-    choice = fmt.whole(0, CompletionOutput(0, f"maybe {call}</think>No call.", [], "stop"))
-    assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
-    assert choice["message"]["reasoning_content"] == f"maybe {call}"
-    assert choice["message"]["content"] == "No call."
-    after = fmt.whole(1, CompletionOutput(1, f"plan</think>{call}", [], "stop"))
-    assert after["finish_reason"] == "tool_calls"
-    assert after["message"]["tool_calls"][0]["function"]["name"] == "f"
+    assert _parts(_streamed(_format(include=False), ANSWER)) == ("", "The answer is 4.")
 
 
 # -- the openai SDK against an echo server with the deepseek_r1 parser ----------------------

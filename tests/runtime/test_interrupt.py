@@ -315,7 +315,7 @@ def case_interrupted_while_starting(engine: Engine) -> None:
         wait_event(caught, "the interrupt to be caught")
         release.set()
 
-    with mock.patch("inlinelm.runtime.engine.load_engine", held_load):
+    with mock.patch("inlinelm.runtime.engine_base.load_engine", held_load):
         interrupter = Interrupter(script)
         try:
             engine.generate("while the engine starts", max_tokens=4, use_tqdm=False)

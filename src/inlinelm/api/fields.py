@@ -29,7 +29,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],),
     "parallel_tool_calls": (),
     "prediction": (),
-    "reasoning_effort": (),
     "service_tier": ("auto", "default"),
     "store": (False,),
     "suffix": ("",),

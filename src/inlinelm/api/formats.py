@@ -32,12 +32,19 @@ class ChoiceFormat(Protocol):
         """The first chunk's choice for ``index`` (chat: the role), or None for none."""
 
     def delta(
-        self, index: int, text: str, logprobs: list[TokenLogprobs] | None, reason: str | None = None
+        self,
+        index: int,
+        text: str,
+        logprobs: list[TokenLogprobs] | None,
+        reason: str | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any] | None:
-        """A chunk choice with new text (never empty), its tokens' logprobs, and the
-        ``finish_reason`` when this is the choice's last text; None when the format holds
-        the text back for now (tool calls: :mod:`inlinelm.api.tool_format`), which it
-        never does for a choice's last text."""
+        """A chunk choice with new text, its tokens' logprobs, and the ``finish_reason``
+        when this is the choice's last text; None when the format holds the text back for
+        now (tool calls: :mod:`inlinelm.api.tool_format`), which it never does for a
+        choice's last text. ``reasoning``: a reasoning model's thinking released with the
+        text (only :class:`~inlinelm.api.reasoning_format.ReasoningChatFormat` is given
+        any; ``text`` is never empty without it)."""
 
     def finish(
         self, index: int, reason: str, logprobs: list[TokenLogprobs] | None
@@ -61,7 +68,12 @@ class ChatFormat:
         return chat_delta_choice(index, {"role": "assistant", "content": ""})
 
     def delta(
-        self, index: int, text: str, logprobs: list[TokenLogprobs] | None, reason: str | None = None
+        self,
+        index: int,
+        text: str,
+        logprobs: list[TokenLogprobs] | None,
+        reason: str | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         return chat_delta_choice(index, {"content": text}, reason, self._logprobs(logprobs))
 
@@ -105,7 +117,12 @@ class CompletionFormat:
         return completion_choice(index, self.prompt_texts[index], None, None)
 
     def delta(
-        self, index: int, text: str, logprobs: list[TokenLogprobs] | None, reason: str | None = None
+        self,
+        index: int,
+        text: str,
+        logprobs: list[TokenLogprobs] | None,
+        reason: str | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         return completion_choice(index, text, reason, self._logprobs(index, logprobs))
 

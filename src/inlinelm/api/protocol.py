@@ -25,6 +25,7 @@ from inlinelm.api.errors import bad_request
 from inlinelm.api.fields import INT_MAX, Fields, check_text
 from inlinelm.api.messages import read_messages
 from inlinelm.api.tool_request import ToolRequest, read_tools
+from inlinelm.chat_template import template_kwargs_error
 from inlinelm.errors import RequestError
 from inlinelm.runtime.prompt_source import Prompt
 from inlinelm.sampling_params import UNSET, OutputKind, SamplingParams
@@ -63,6 +64,9 @@ class ChatRequest:
     user: str | None
     tools: ToolRequest | None = None
     include_reasoning: bool = True
+    # The chat template's variables: chat_template_kwargs, and reasoning_effort under
+    # that name (for templates that read it).
+    template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -105,9 +109,32 @@ def parse_chat(data: Any, limits: Limits) -> ChatRequest:
         user=fields.read_str("user", None),
         tools=tools,
         include_reasoning=fields.read_bool("include_reasoning", True),
+        template_kwargs=_read_template_kwargs(fields),
     )
     fields.refuse_rest()
     return request
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _read_template_kwargs(fields: Fields) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` (an object of template variables), with ``reasoning_effort``
+    added as the variable of that name unless the object sets it."""
+    kwargs = fields.raw("chat_template_kwargs")
+    if kwargs is not None:
+        why = template_kwargs_error(kwargs)
+        if why is not None:
+            raise bad_request(f"chat_template_kwargs {why}", "chat_template_kwargs")
+    effort = fields.read_str("reasoning_effort", None)
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(
+                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                "reasoning_effort",
+            )
+        kwargs = {"reasoning_effort": effort, **(kwargs or {})}
+    return None if kwargs is None else dict(kwargs)
 
 
 def _chat_constraint(fields: Fields, tools: ToolRequest | None) -> StructuredOutput | None:

@@ -21,13 +21,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's ``usage`` object."""
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's ``usage`` object; a reasoning model's chat (``reasoning_tokens`` given)
+    also says how many of the completion's tokens were its reasoning."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 class TokenTexts:
@@ -76,15 +82,19 @@ class ResponseHeader:
         return chunk
 
     def usage_chunk(
-        self, object_name: str, prompt_tokens: int, completion_tokens: int
+        self,
+        object_name: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        reasoning_tokens: int | None = None,
     ) -> dict[str, Any]:
         """The one chunk with empty ``choices`` and the request's usage."""
         chunk = self.chunk(object_name, [])
-        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        chunk["usage"] = usage(prompt_tokens, completion_tokens, reasoning_tokens)
         return chunk
 
     def response(
-        self, object_name: str, choices: list[dict[str, Any]], usage_: dict[str, int]
+        self, object_name: str, choices: list[dict[str, Any]], usage_: dict[str, Any]
     ) -> dict[str, Any]:
         """A whole (non-streamed) response."""
         return {

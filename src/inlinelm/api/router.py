@@ -79,8 +79,9 @@ def openai_router(
     :class:`~inlinelm.tools.ToolParser`; None picks one by the model's chat template.
     ``reasoning_parser`` (a name in :data:`inlinelm.reasoning.PARSERS`, or a parser) sends
     a reasoning model's thinking in ``reasoning_content``, apart from its answer; None
-    picks one by the model's chat template (none for a template without ``<think>``:
-    answers stay whole); ``"none"`` leaves every answer whole.
+    takes the engine's (its ``reasoning_parser`` option, by default the one the model's
+    chat template takes: none for a template without ``<think>``, answers whole);
+    ``"none"`` leaves every answer whole.
     The engine is started on the first request if its owner has not started it.
     """
     if max_fanout < 1:
@@ -100,7 +101,7 @@ def openai_router(
         max_fanout,
         parser,
         reasoning,
-        reasoning_by_template=reasoning_parser is None,
+        reasoning_chosen=reasoning_parser is not None,
     )
     api = OpenAIEndpoints(engine, name, max_request_bytes)
     access = Access(api_key, allowed_hosts)

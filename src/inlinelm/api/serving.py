@@ -21,7 +21,13 @@ from inlinelm.api.body import parse_json, read_body
 from inlinelm.api.disconnect import finals_unless_disconnected
 from inlinelm.api.errors import APIError, bad_request, from_exception
 from inlinelm.api.formats import ChatFormat, ChoiceFormat, CompletionFormat
-from inlinelm.api.protocol import CHAT_PARAMS, Limits, parse_chat, parse_completion
+from inlinelm.api.protocol import (
+    CHAT_PARAMS,
+    ChatRequest,
+    Limits,
+    parse_chat,
+    parse_completion,
+)
 from inlinelm.api.reasoning_format import ReasoningChatFormat
 from inlinelm.api.request_log import log_streamed, log_whole
 from inlinelm.api.responses import ResponseHeader, TokenTexts, new_id, usage
@@ -35,7 +41,7 @@ from inlinelm.api.sse import (
 )
 from inlinelm.api.tool_format import ToolPolicy
 from inlinelm.errors import EngineError, QueueFullError, RequestError, RequestFailedError
-from inlinelm.reasoning import ReasoningParser, parser_for_template
+from inlinelm.reasoning import ReasoningParser
 from inlinelm.runtime.prompt_source import Prompt
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.tools.parsers import ToolParser
@@ -54,7 +60,7 @@ class OpenAIServing:
     bounds a body, ``max_fanout`` the engine requests one body becomes (prompts × ``n``);
     idle streams get an SSE comment every ``sse_ping_s`` seconds; ``reasoning_parser``
     splits a reasoning model's chat answers (:mod:`inlinelm.api.reasoning_format`; None:
-    the one the chat template's family takes, if any, unless not ``reasoning_by_template``);
+    the engine's, unless ``reasoning_chosen``, which makes None mean none);
     ``tool_parser`` reads
     tool calls out of chats with ``tool_choice`` "auto" (None: the chat template's own).
     """
@@ -69,7 +75,7 @@ class OpenAIServing:
         tool_parser: ToolParser | None = None,
         reasoning_parser: ReasoningParser | None = None,
         *,
-        reasoning_by_template: bool = True,
+        reasoning_chosen: bool = False,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -78,7 +84,7 @@ class OpenAIServing:
         self.limits = Limits(max_fanout=max_fanout)
         self.tools = ToolPolicy(tool_parser, self.chat_template)
         self._reasoning = reasoning_parser
-        self._reasoning_chosen = reasoning_parser is not None or not reasoning_by_template
+        self._reasoning_chosen = reasoning_parser is not None or reasoning_chosen
         self._texts: TokenTexts | None = None
         self._chat_template: str | None = None
 
@@ -92,16 +98,13 @@ class OpenAIServing:
             await ready(self.engine)
             rid = new_id("chatcmpl")
             messages, tools = self.tools.inputs(parsed)
-            stream = await self._start_chat(messages, tools, parsed.params, rid, arrival, len(body))
+            stream = await self._start_chat(parsed, messages, tools, rid, arrival, len(body))
         except Exception as exc:
             return error_response(exc)
         header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
         fmt = self.tools.format(parsed, self.texts())
-        reasoning = self.reasoning()
-        if reasoning is not None:
-            fmt = ReasoningChatFormat(
-                fmt, reasoning, parsed.include_reasoning, self.texts(), parsed.logprobs
-            )
+        if self.reasoning() is not None:
+            fmt = ReasoningChatFormat(fmt, parsed.include_reasoning, self.texts(), parsed.logprobs)
         if parsed.stream:
             return self._stream_response([stream], header, fmt, parsed.params.n, arrival)
         return await self._whole_response(request, [stream], header, fmt, parsed.params.n, arrival)
@@ -133,24 +136,11 @@ class OpenAIServing:
         return self._texts
 
     def reasoning(self) -> ReasoningParser | None:
-        """The server's reasoning parser, else the one the chat template's family takes
-        (chosen on first use: :func:`~inlinelm.reasoning.parser_for_template`)."""
-        if not self._reasoning_chosen:
-            template = self.chat_template()
-            prompt = ""
-            if "<think>" in template:
-                # NOTE: the template's boundary: one that cannot render here fails a chat later
-                try:
-                    prompt = self.engine.tokenizer.apply_chat_template(
-                        [{"role": "user", "content": "?"}],
-                        tokenize=False,
-                        add_generation_prompt=True,
-                    )
-                except Exception:
-                    prompt = ""
-            self._reasoning = parser_for_template(template, prompt)
-            self._reasoning_chosen = True
-        return self._reasoning
+        """The server's reasoning parser, else the engine's (its ``reasoning_parser``
+        option: by default the one the chat template's family takes)."""
+        if self._reasoning_chosen:
+            return self._reasoning
+        return self.engine.reasoning_parser
 
     def chat_template(self) -> str:
         """The model's chat template source (read on first use, like :meth:`texts`)."""
@@ -160,24 +150,27 @@ class OpenAIServing:
 
     async def _start_chat(
         self,
+        parsed: ChatRequest,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
-        params: SamplingParams,
         rid: str,
         arrival: float,
         size: int,
     ) -> OutputStream:
         """Hand a chat to the engine; an error naming ``prompt`` or ``logprobs`` names the
         chat's field instead (``messages``, ``top_logprobs``: what the client sent).
-        ``size``: the request body's bytes (a large request renders off the loop)."""
+        ``size``: the request body's bytes (a large request renders off the loop). Its
+        reasoning is split off by :meth:`reasoning`'s parser."""
         try:
             stream = self.engine.chat(
                 messages,
-                params,
+                parsed.params,
                 request_id=rid,
                 arrival_time=arrival,
                 tools=tools,
                 input_size=size,
+                chat_template_kwargs=parsed.template_kwargs,
+                reasoning_parser=self.reasoning() or "none",
             )
             await stream.submit()  # NOTE: a large chat is tokenized off the loop; errors raise here
             return stream
@@ -261,9 +254,11 @@ class OpenAIServing:
         ]
         prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
         completion_tokens = sum(len(c.token_ids) for f in finals for c in f.outputs)
+        counts = [c.reasoning_tokens for f in finals for c in f.outputs]
+        reasoning_tokens = None if None in counts else sum(c or 0 for c in counts)
         log_whole(header.id, finals, arrival)
         body = header.response(
-            fmt.response_object, choices, usage(prompt_tokens, completion_tokens)
+            fmt.response_object, choices, usage(prompt_tokens, completion_tokens, reasoning_tokens)
         )
         return JSONResponse(body)
 

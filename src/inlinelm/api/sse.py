@@ -90,6 +90,7 @@ class StreamTally:
     arrival: float
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int | None = None  # a reasoning model's chat: its choices' reasoning
     finish_reasons: dict[int, str] = field(default_factory=dict)
     first_write: float | None = None
     last_write: float | None = None
@@ -166,7 +167,10 @@ async def event_stream(streams: Sequence[OutputStream], plan: StreamPlan) -> Asy
                     yield data
             if header.include_usage:
                 usage = header.usage_chunk(
-                    fmt.chunk_object, tally.prompt_tokens, tally.completion_tokens
+                    fmt.chunk_object,
+                    tally.prompt_tokens,
+                    tally.completion_tokens,
+                    tally.reasoning_tokens,
                 )
                 yield frame(encode(usage))
         except Exception as exc:
@@ -220,13 +224,15 @@ def _step_frames(
         reason = choice.finish_reason
         if reason is not None:
             tally.finish_reasons[index] = reason
-        if choice.text:
+            if choice.reasoning_tokens is not None:
+                tally.reasoning_tokens = (tally.reasoning_tokens or 0) + choice.reasoning_tokens
+        if choice.text or choice.reasoning:
             # NOTE: the last content chunk carries the real finish_reason itself.
             if plan.text_frame is not None and not logprobs:
                 has_text = True
                 data += plan.text_frame.render(index, choice.text, reason)
                 continue
-            delta = fmt.delta(index, choice.text, logprobs, reason)
+            delta = fmt.delta(index, choice.text, logprobs, reason, choice.reasoning)
             if delta is not None:
                 has_text = True
                 data += frame(encode(header.chunk(fmt.chunk_object, [delta])))

@@ -95,7 +95,12 @@ class ToolChatFormat:
         return chat_delta_choice(index, {"role": "assistant", "content": ""})
 
     def delta(
-        self, index: int, text: str, logprobs: list[TokenLogprobs] | None, reason: str | None = None
+        self,
+        index: int,
+        text: str,
+        logprobs: list[TokenLogprobs] | None,
+        reason: str | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any] | None:
         held = self._held.setdefault(index, _Held())
         held.text += text

@@ -77,6 +77,7 @@ class IncrementalDetokenizer(ABC):
         self._min_tokens = min_tokens
         self._token_ids: list[int] = []
         self._released: list[str] = []
+        self._num_released = 0  # characters in _released
         self._unreleased = ""
         self._stop_reason: str | None = None
         self._finished = False
@@ -90,6 +91,11 @@ class IncrementalDetokenizer(ABC):
     def output_text(self) -> str:
         """All text decoded so far, released or held back (cut at a stop string when one hit)."""
         return "".join(self._released) + self._unreleased
+
+    @property
+    def num_chars(self) -> int:
+        """How many characters :attr:`output_text` holds (without joining it)."""
+        return self._num_released + len(self._unreleased)
 
     @property
     def stop_strings(self) -> StopStrings | None:
@@ -150,6 +156,7 @@ class IncrementalDetokenizer(ABC):
             text = self._unreleased[:ready]
             self._unreleased = self._unreleased[ready:]
             self._released.append(text)
+            self._num_released += ready
         if delta:
             return text
         self._released = ["".join(self._released)]

@@ -9,15 +9,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from inlinelm.chat_template import read_chat_template
 from inlinelm.config import EngineConfig
-from inlinelm.errors import ConfigError, ModelLoadError
+from inlinelm.errors import ConfigError, ModelLoadError, RequestError
+from inlinelm.reasoning import ReasoningParser, get_reasoning_parser, parser_for_template
 from inlinelm.runtime.admission import Admission
+from inlinelm.runtime.prompt_source import render_chat
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.engine_core import EngineCore
 from inlinelm.sched.output import EngineCoreOutputs
 from inlinelm.sched.runner import Runner
 from inlinelm.structured.compiler import GrammarCompiler
 from inlinelm.structured.sandbox import TokenizerSource
+from inlinelm.tools.template import chat_template_text
 
 if TYPE_CHECKING:
     from inlinelm.gpu.model_fit import ModelFit
@@ -38,6 +42,8 @@ class LoadedEngine:
     eos_token_id: int | None
     admission: Admission
     grammars: GrammarCompiler
+    # The parser that splits a chat's reasoning from its answer by default (None: none).
+    reasoning: ReasoningParser | None = None
 
     def make_detokenizer(self, prompt_ids: list[int], params: SamplingParams, stops: Any) -> Any:
         """A fresh incremental detokenizer for one choice.
@@ -71,6 +77,8 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
     files = resolve_model(config.model, quantized=_quantized_weights(config))
     fit = _check_model_fits(config, files.folder)
     tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else files.folder)
+    if config.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
     if fit is not None:
         _check_vocabulary(len(tokenizer), fit.model_config.vocab_size, files.folder)
     logger.info("tokenizer loaded in %.2f s", time.perf_counter() - start)
@@ -109,7 +117,32 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
         cache_size=config.grammar_cache_size,
         cache_bytes=config.grammar_cache_bytes,
     )
-    return LoadedEngine(core, tokenizer, max_model_len, eos, admission, grammars)
+    reasoning = chat_reasoning_parser(config, tokenizer)
+    return LoadedEngine(core, tokenizer, max_model_len, eos, admission, grammars, reasoning)
+
+
+def chat_reasoning_parser(config: EngineConfig, tokenizer: Any) -> ReasoningParser | None:
+    """The ``reasoning_parser`` option resolved: ``"auto"`` is the one the chat
+    template's family takes (judged by its text and its generation prompt, rendered with
+    the default template variables), ``"none"`` none."""
+    if config.reasoning_parser == "none":
+        return None
+    if config.reasoning_parser != "auto":
+        return get_reasoning_parser(config.reasoning_parser)
+    template = chat_template_text(tokenizer)
+    prompt = ""
+    if "<think>" in template:
+        # NOTE: a template that cannot render here fails each chat later, as a 400
+        try:
+            prompt = render_chat(
+                tokenizer,
+                [{"role": "user", "content": "?"}],
+                None,
+                config.default_chat_template_kwargs,
+            )
+        except RequestError:
+            prompt = ""
+    return parser_for_template(template, prompt)
 
 
 def _quantized_weights(config: EngineConfig) -> bool:

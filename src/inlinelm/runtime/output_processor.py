@@ -109,7 +109,10 @@ class OutputProcessor:
             elif last is not None and now > last:
                 metrics.inter_token_latencies.append(now - last)
             metrics.last_token_time = now
-            stop = state.detokenizer.update(out.new_token_ids, stop_token=finish_reason == "stop")
+            detokenizer = state.detokenizer
+            stop = detokenizer.update(out.new_token_ids, stop_token=finish_reason == "stop")
+            if state.reasoning is not None:
+                state.reasoning.mark(len(detokenizer.output_token_ids), detokenizer.num_chars)
             if stop is not None and finish_reason is None:
                 finish_reason, stop_reason = "stop", stop
                 to_abort.append(state.request_id)
@@ -165,10 +168,17 @@ class OutputProcessor:
         to_abort: list[str],
     ) -> None:
         delta = state.output_kind is OutputKind.DELTA
-        text = state.detokenizer.next_output_text(finish_reason is not None, delta)
-        if not text and finish_reason is None and not state.logprobs:
+        finished = finish_reason is not None
+        reasoning = reasoning_tokens = None
+        if state.reasoning is None:
+            text = state.detokenizer.next_output_text(finished, delta)
+        else:
+            text, reasoning = _split_reasoning(state, finished, delta)
+        if not text and not reasoning and not finished and not state.logprobs:
             return  # NOTE: nothing a reader could show; the ids go out with the next text.
         all_ids = state.detokenizer.output_token_ids
+        if finished and state.reasoning is not None:
+            reasoning_tokens = state.reasoning.reasoning_tokens(len(all_ids))
         token_ids = all_ids[state.num_sent_tokens :] if delta else list(all_ids)
         state.num_unsent_steps = 0
         state.num_sent_tokens = len(all_ids)
@@ -176,7 +186,14 @@ class OutputProcessor:
         if delta:
             state.logprobs = None
         choice = CompletionOutput(
-            state.index, text, token_ids, finish_reason, stop_reason, logprobs
+            state.index,
+            text,
+            token_ids,
+            finish_reason,
+            stop_reason,
+            logprobs,
+            reasoning,
+            reasoning_tokens,
         )
         parent = state.parent
         if state.output_kind is OutputKind.FINAL_ONLY:
@@ -215,6 +232,22 @@ class OutputProcessor:
             parent.collector.put(error)
         self.states.clear()
         return ids
+
+
+def _split_reasoning(state: RequestState, finished: bool, delta: bool) -> tuple[str, str | None]:
+    """The answer and the reasoning of the text released now: the new parts in delta
+    mode, else each part so far (None: no reasoning yet)."""
+    stream = state.reasoning
+    assert stream is not None
+    reasoning, answer = stream.feed(state.detokenizer.next_output_text(finished, True))
+    if finished:
+        more_reasoning, more_answer = stream.finish()
+        reasoning, answer = reasoning + more_reasoning, answer + more_answer
+    if not delta:
+        state.reasoning_so_far += reasoning
+        state.answer_so_far += answer
+        reasoning, answer = state.reasoning_so_far, state.answer_so_far
+    return answer, reasoning or None
 
 
 def _finish_of(out: EngineCoreOutput) -> tuple[str | None, int | str | None]:

@@ -52,7 +52,14 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One choice of a request: its text and tokens (new ones only in delta mode)."""
+    """One choice of a request: its text and tokens (new ones only in delta mode).
+
+    A reasoning model's chat (a reasoning parser on: ``Engine(reasoning_parser=...)``)
+    has its thinking in ``reasoning`` and only the answer in ``text``, split exactly at
+    the tags with no tag text in either; ``reasoning_tokens`` (on a finished choice)
+    counts the output tokens of the reasoning, its tags included. Both are None without
+    a parser.
+    """
 
     index: int
     text: str
@@ -60,6 +67,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -120,6 +129,10 @@ def merge_choice(
         old.token_ids.extend(new.token_ids)
         if new.logprobs is not None:
             old.logprobs = (old.logprobs or []) + new.logprobs
+        if new.reasoning is not None:
+            old.reasoning = (old.reasoning or "") + new.reasoning
+        if new.reasoning_tokens is not None:
+            old.reasoning_tokens = new.reasoning_tokens
         old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
         return
     if copy:
@@ -130,6 +143,8 @@ def merge_choice(
             new.finish_reason,
             new.stop_reason,
             new.logprobs,
+            new.reasoning,
+            new.reasoning_tokens,
         )
     choices.append(new)
 

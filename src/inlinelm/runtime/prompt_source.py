@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,8 @@ class PromptSource:
     # give its whole request's size): past ``max_inline_prompt_chars`` that work runs on a
     # worker thread.
     size: int
+    # A chat's template variables (the engine's defaults updated by the request's own).
+    template_kwargs: Mapping[str, Any] | None = None
 
     @classmethod
     def of_prompt(cls, prompt: Prompt, add_special_tokens: bool, size: int) -> PromptSource:
@@ -38,9 +40,11 @@ class PromptSource:
         tools: Sequence[dict[str, Any]] | None,
         size: int,
         add_special_tokens: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> PromptSource:
-        """A chat, rendered through the chat template (which adds the special tokens)."""
-        return cls(None, messages, tools, add_special_tokens, size)
+        """A chat, rendered through the chat template (which adds the special tokens)
+        with ``template_kwargs`` as its variables."""
+        return cls(None, messages, tools, add_special_tokens, size, template_kwargs)
 
     @property
     def is_chat(self) -> bool:
@@ -55,7 +59,7 @@ class PromptSource:
     def make(self, tokenizer: Any) -> Prompt:
         """The prompt to tokenize: the caller's, or the rendered chat."""
         if self.messages is not None:
-            return render_chat(tokenizer, self.messages, self.tools)
+            return render_chat(tokenizer, self.messages, self.tools, self.template_kwargs)
         assert self.prompt is not None
         return self.prompt
 
@@ -81,11 +85,15 @@ def render_chat(
     tokenizer: Any,
     messages: Sequence[dict[str, Any]],
     tools: Sequence[dict[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """The prompt text the chat template makes of ``messages`` (with the assistant turn
-    opened), and of ``tools`` when given (``apply_chat_template(..., tools=...)``); a
-    template that fails is a ``RequestError`` naming ``messages``."""
-    extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
+    opened), of ``tools`` when given (``apply_chat_template(..., tools=...)``) and with
+    ``template_kwargs`` as template variables; a template that fails is a
+    ``RequestError`` naming ``messages``, its message the template's error."""
+    extra: dict[str, Any] = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = list(tools)
     try:
         text = tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=True, **extra

@@ -15,6 +15,7 @@ from inlinelm.sched.request import Request
 
 if TYPE_CHECKING:
     from inlinelm.detok import StopStrings
+    from inlinelm.reasoning import ReasoningParser, ReasoningStream
 
 
 @dataclass(slots=True, eq=False)
@@ -55,6 +56,11 @@ class RequestState:
     num_sent_tokens: int = 0
     num_unsent_steps: int = 0
     logprobs: list[TokenLogprobs] | None = field(default=None)
+    # A reasoning model's chat: its text split into reasoning and answer as it is released
+    # (and, but in delta mode, each part so far).
+    reasoning: ReasoningStream | None = None
+    reasoning_so_far: str = ""
+    answer_so_far: str = ""
 
 
 def make_states(
@@ -67,6 +73,7 @@ def make_states(
     *,
     max_backlog_bytes: int,
     stream_interval: int,
+    reasoning: ReasoningParser | None = None,
 ) -> tuple[ParentRequest, list[RequestState]]:
     """The frontend state of a new request: its parent, and one state per choice.
 
@@ -74,6 +81,7 @@ def make_states(
     unique per submission whatever the caller's id, so a late output or abort of an earlier
     request with the same caller id can never reach this one. ``make_detokenizer`` makes a
     choice's detokenizer from the request's stop strings, built here once for all choices.
+    With ``reasoning``, each choice's text is split into its reasoning and its answer.
     """
     delta = params.output_kind is OutputKind.DELTA
     collector = RequestOutputCollector(delta=delta, max_backlog_bytes=max_backlog_bytes)
@@ -84,7 +92,15 @@ def make_states(
     )
     stops = stop_strings(params)
     children = [
-        RequestState(cid, i, parent, make_detokenizer(stops), params.output_kind, stream_interval)
+        RequestState(
+            cid,
+            i,
+            parent,
+            make_detokenizer(stops),
+            params.output_kind,
+            stream_interval,
+            reasoning=None if reasoning is None else reasoning.stream(),
+        )
         for i, cid in enumerate(child_ids)
     ]
     return parent, children

@@ -26,6 +26,7 @@ from inlinelm.errors import (
     QueueTimeoutError,
     RequestError,
 )
+from inlinelm.reasoning import ReasoningParser
 from inlinelm.runtime.admission import check_limits
 from inlinelm.runtime.bridge import (
     CoreHandle,
@@ -58,6 +59,8 @@ class LazySubmission:
     params: SamplingParams
     request_id: str
     arrival: float
+    # A chat's reasoning parser: None the engine's, "none" no split (a completion's)
+    reasoning: ReasoningParser | str | None = "none"
 
     async def submit(self) -> Submission:
         """Start the engine if needed, tokenize and admit the request, and hand it over."""
@@ -111,16 +114,18 @@ class Submitter:
         params: SamplingParams,
         request_id: str | None,
         arrival_time: float | None,
+        reasoning: ReasoningParser | str | None = "none",
     ) -> RequestStream:
         """The request's stream, submitted now when the engine is started and the prompt
-        small enough to tokenize on the loop (and it has no grammar to compile)."""
+        small enough to tokenize on the loop (and it has no grammar to compile);
+        ``reasoning`` as :class:`LazySubmission` takes it."""
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:16]}"
         if not isinstance(rid, str) or not rid:
             raise RequestError("request_id must be a non-empty string", param="request_id")
         self.check_usable()
         check_limits(self.config, params)
-        pending = LazySubmission(self, source, params, rid, arrival)
+        pending = LazySubmission(self, source, params, rid, arrival, reasoning)
         stream = RequestStream(rid, pending, delta=params.output_kind is OutputKind.DELTA)
         # NOTE: a request with a grammar always takes the lazy path: its grammar compiles
         # on a worker thread, and a bad one raises from ``await stream.submit()``.
@@ -196,9 +201,7 @@ class Submitter:
         admit_tokens(self.config, self._handle, len(prompt_ids))
         loop = asyncio.get_running_loop()
         bridge = self._loop_bridge(loop)
-        parent, children = self._make_states(
-            loaded, pending.request_id, prompt_ids, params, pending.arrival
-        )
+        parent, children = self._make_states(loaded, pending, prompt_ids, params)
         # NOTE: a duplicate id in flight raises before anything is queued.
         self._handle.claim(parent)
         self._handle.enqueue(parent)
@@ -228,20 +231,21 @@ class Submitter:
     def _make_states(
         self,
         loaded: LoadedEngine,
-        request_id: str,
+        pending: LazySubmission,
         prompt_ids: list[int],
         params: SamplingParams,
-        arrival: float,
     ) -> tuple[ParentRequest, list[RequestState]]:
+        reasoning = loaded.reasoning if pending.reasoning is None else pending.reasoning
         return make_states(
-            request_id,
+            pending.request_id,
             self._handle.next_submission(),
             prompt_ids,
             params,
-            arrival,
+            pending.arrival,
             functools.partial(loaded.make_detokenizer, prompt_ids, params),
             max_backlog_bytes=self.config.max_stream_backlog_bytes,
             stream_interval=params.stream_interval or self.config.stream_interval,
+            reasoning=None if isinstance(reasoning, str) else reasoning,
         )
 
     def _arm_queue_timeout(

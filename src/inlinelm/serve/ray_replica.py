@@ -40,7 +40,6 @@ class ApiOptions:
     api_key: str | None = None
     allowed_hosts: tuple[str, ...] | None = None
     tool_parser: str | None = None
-    reasoning_parser: str | None = None
 
 
 class EngineReplica:
@@ -61,7 +60,6 @@ class EngineReplica:
             api_key=api.api_key,
             allowed_hosts=api.allowed_hosts,
             tool_parser=api.tool_parser,
-            reasoning_parser=api.reasoning_parser,
         )
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 

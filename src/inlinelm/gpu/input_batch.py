@@ -122,7 +122,8 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.requests[row] = request
         self.generators[row] = generator
-        self.has_grammar[row] = request.grammar is not None
+        # NOTE: a grammar behind a reasoning gate counts: each step reads request.grammar
+        self.has_grammar[row] = request.grammar is not None or request.grammar_gate is not None
         self.sampling.write(row, request.params)
         self.row_of[request.request_id] = row
         return row

@@ -45,6 +45,19 @@ class LoadedEngine:
     # The parser that splits a chat's reasoning from its answer by default (None: none).
     reasoning: ReasoningParser | None = None
 
+    def reasoning_end_ids(
+        self, parser: ReasoningParser | None, prompt_ids: list[int]
+    ) -> tuple[int, ...] | None:
+        """The closing tag's token ids when a chat's grammar must wait for the model to end
+        its reasoning: a parser is on, and the prompt has not closed the reasoning itself
+        (Qwen3's template with ``enable_thinking=false`` renders an empty, closed block)."""
+        if parser is None:
+            return None
+        tail = str(self.tokenizer.decode(prompt_ids[-16:]))
+        if tail.rstrip().endswith(parser.end_tag):
+            return None
+        return tuple(self.tokenizer.encode(parser.end_tag, add_special_tokens=False))
+
     def make_detokenizer(self, prompt_ids: list[int], params: SamplingParams, stops: Any) -> Any:
         """A fresh incremental detokenizer for one choice.
 

@@ -48,6 +48,7 @@ from inlinelm.runtime.stream import RequestStream, Submission
 from inlinelm.runtime.workers import Workers, decode_all
 from inlinelm.sampling_params import OutputKind, SamplingParams
 from inlinelm.structured.compiler import CompiledGrammar
+from inlinelm.structured.matcher import ReasoningGate
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +191,8 @@ class Submitter:
         grammar: CompiledGrammar | None = None,
     ) -> Submission:
         """Admit a tokenized request and hand it to the engine thread (on the caller's loop);
-        with ``grammar``, each choice gets its own matcher."""
+        with ``grammar``, each choice gets its own matcher (behind a reasoning gate when
+        the chat's reasoning parser says the model thinks first)."""
         self.check_usable()
         admit_count(self.config, self._handle)
         source = pending.source
@@ -201,7 +203,9 @@ class Submitter:
         admit_tokens(self.config, self._handle, len(prompt_ids))
         loop = asyncio.get_running_loop()
         bridge = self._loop_bridge(loop)
-        parent, children = self._make_states(loaded, pending, prompt_ids, params)
+        reasoning = loaded.reasoning if pending.reasoning is None else pending.reasoning
+        parser = None if isinstance(reasoning, str) else reasoning
+        parent, children = self._make_states(loaded, pending, prompt_ids, params, parser)
         # NOTE: a duplicate id in flight raises before anything is queued.
         self._handle.claim(parent)
         self._handle.enqueue(parent)
@@ -215,8 +219,13 @@ class Submitter:
             parent, children, loaded.eos_token_id, pending.arrival, share_prefix=share
         )
         if grammar is not None:
+            # NOTE: a reasoning model's grammar constrains only what follows its reasoning
+            end_ids = loaded.reasoning_end_ids(parser, prompt_ids)
             for request in (*requests, *parent.deferred):
-                request.grammar = grammar.new_matcher()
+                if end_ids:
+                    request.grammar_gate = ReasoningGate(grammar.new_matcher(), end_ids)
+                else:
+                    request.grammar = grammar.new_matcher()
         self._handle.add(requests)
         self._heartbeat.last = time.perf_counter()
         return Submission(parent, bridge)
@@ -234,8 +243,8 @@ class Submitter:
         pending: LazySubmission,
         prompt_ids: list[int],
         params: SamplingParams,
+        reasoning: ReasoningParser | None,
     ) -> tuple[ParentRequest, list[RequestState]]:
-        reasoning = loaded.reasoning if pending.reasoning is None else pending.reasoning
         return make_states(
             pending.request_id,
             self._handle.next_submission(),
@@ -245,7 +254,7 @@ class Submitter:
             functools.partial(loaded.make_detokenizer, prompt_ids, params),
             max_backlog_bytes=self.config.max_stream_backlog_bytes,
             stream_interval=params.stream_interval or self.config.stream_interval,
-            reasoning=None if isinstance(reasoning, str) else reasoning,
+            reasoning=reasoning,
         )
 
     def _arm_queue_timeout(

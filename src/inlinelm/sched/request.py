@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from inlinelm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from inlinelm.structured.matcher import GrammarMatcher
+    from inlinelm.structured.matcher import GrammarMatcher, ReasoningGate
 
 
 class FinishReason(enum.Enum):
@@ -103,6 +103,10 @@ class Request:
     # (so it survives preemption unchanged). The runner masks logits with it; the scheduler
     # feeds it each sampled token.
     grammar: GrammarMatcher | None = None
+    # A reasoning model's grammar while it thinks: ``grammar`` once the output closes its
+    # reasoning (see ReasoningGate); the scheduler and runner treat the request as
+    # constrained meanwhile, so no token is sampled past the tag unmasked.
+    grammar_gate: ReasoningGate | None = None
     # Prompt then output tokens: a live list kept by append_output_token; read it, never
     # mutate it. A plain field, not a property: the step path reads it for every request.
     all_token_ids: list[int] = field(init=False, repr=False)

@@ -181,6 +181,7 @@ class Scheduler:
                 continue
             if pending and (
                 request.grammar is not None
+                or request.grammar_gate is not None
                 or num_known + pending >= max_model_len
                 or _reaches_max_tokens(request, pending)
             ):

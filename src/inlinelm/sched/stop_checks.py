@@ -6,14 +6,19 @@ from inlinelm.sched.request import FinishReason, Request
 
 
 def check_stop(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:
-    """Why ``request`` ends on ``token_id`` (just appended), or None: the grammar (a refused
+    """Why ``request`` ends on ``token_id`` (just appended), or None: a grammar held back
+    by a reasoning gate starts once the token completes the closing tag; the grammar (a refused
     token fails the request; EOS after a complete output stops it, whatever ``min_tokens``
     or ``ignore_eos`` say), EOS and stop tokens (not among the first ``min_tokens``; a stop
     token is recorded as the ``stop_reason``), then the length caps."""
     params = request.params
     grammar = request.grammar
     num_output = len(request.output_token_ids)  # NOTE: len(), not properties: hot path
-    if grammar is not None:
+    gate = request.grammar_gate
+    if gate is not None and gate.opens_after(request.output_token_ids):
+        # NOTE: the grammar starts after the closing tag, so it never sees the tag's tokens
+        request.grammar, request.grammar_gate = gate.matcher, None
+    elif grammar is not None:
         # NOTE: a complete output is not finished on its last token but on the EOS its
         # mask then forces, so the last token's text is shown and EOS is not.
         if not grammar.accept(token_id):

@@ -56,3 +56,22 @@ class GrammarMatcher:
             return None
         message: str = self._matcher.get_error()
         return message.split("\n", 1)[0].strip()
+
+
+class ReasoningGate:
+    """A grammar held back while a reasoning model thinks: it constrains only what comes
+    after the closing tag (``end_ids``: the tag's token ids), so the reasoning is free,
+    bounded by ``max_tokens`` alone. The engine thread opens it on the token that
+    completes the tag, which the grammar never sees."""
+
+    __slots__ = ("end_ids", "matcher")
+
+    def __init__(self, matcher: GrammarMatcher, end_ids: tuple[int, ...]) -> None:
+        assert end_ids, "a reasoning gate needs the closing tag's tokens"
+        self.matcher = matcher
+        self.end_ids = end_ids
+
+    def opens_after(self, output_token_ids: list[int]) -> bool:
+        """Whether the output now ends with the closing tag."""
+        n = len(self.end_ids)
+        return tuple(output_token_ids[-n:]) == self.end_ids

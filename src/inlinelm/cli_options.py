@@ -31,7 +31,7 @@ from inlinelm.api.router import DEFAULT_SSE_PING_S
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError, did_you_mean
 from inlinelm.reasoning import PARSERS as REASONING_PARSERS
-from inlinelm.tools.parsers import PARSERS as TOOL_PARSERS
+from inlinelm.tools.registry import PARSERS as TOOL_PARSERS
 
 API_KEY_ENV = "INLINELM_API_KEY"
 

@@ -106,11 +106,18 @@ def test_llama3_holds_an_answer_that_starts_like_a_call(text: str, hold: int) ->
     assert Llama3JsonParser().hold_from(text) == hold
 
 
+def test_hermes_keeps_the_text_around_its_calls_as_content() -> None:
+    text = "Checking.\n" + _hermes_block(WEATHER) + "\nI asked for the weather."
+    parsed = HermesParser().parse(text)
+    assert parsed is not None and [c.name for c in parsed.calls] == ["get_weather"]
+    assert parsed.content == "Checking.\nI asked for the weather."
+
+
 def test_the_registry_and_the_choice_by_template() -> None:
-    assert sorted(PARSERS) == ["hermes", "llama3_json"]
+    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
     assert get_parser("hermes") is PARSERS["hermes"]
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
-        get_parser("mistral")
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic, qwen3_coder"):
+        get_parser("xml")
     assert parser_for_template(None).name == "hermes"
     assert parser_for_template("{{ '<tool_call>' }} {% for tool in tools %}").name == "hermes"
     llama = '{{- "<|python_tag|>" }} Respond in the format {"name": ..., "parameters": ...}'

@@ -42,7 +42,8 @@ from inlinelm.api.protocol import (
 )
 from inlinelm.api.serving import OpenAIServing, error_response, health_of, ready
 from inlinelm.reasoning import ReasoningParser, get_reasoning_parser
-from inlinelm.tools.parsers import ToolParser, get_parser
+from inlinelm.tools.parsers import ToolParser
+from inlinelm.tools.registry import get_parser
 
 if TYPE_CHECKING:
     from inlinelm.runtime.engine import Engine

@@ -25,7 +25,8 @@ from inlinelm.api.responses import TokenTexts, chat_choice, chat_delta_choice, c
 from inlinelm.runtime.outputs import CompletionOutput, TokenLogprobs
 from inlinelm.tools.calls import ParsedOutput, ToolCall
 from inlinelm.tools.forced import ForcedCallParser
-from inlinelm.tools.parsers import ToolParser, parser_for_template
+from inlinelm.tools.parsers import ToolParser
+from inlinelm.tools.registry import parser_for_template
 from inlinelm.tools.template import prepare_messages, template_supports_tools
 
 

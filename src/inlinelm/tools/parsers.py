@@ -12,6 +12,8 @@ Families covered:
 
 A parser is stateless: :meth:`ToolParser.parse` reads a whole answer, and
 :meth:`ToolParser.hold_from` tells a stream where text that may become a call starts.
+:mod:`inlinelm.tools.family_parsers` holds the newer families' formats and
+:mod:`inlinelm.tools.registry` every parser by name.
 """
 
 from __future__ import annotations
@@ -60,11 +62,24 @@ def _arguments(call: Any, *keys: str) -> dict[str, Any] | None:
     return {}
 
 
-def _call(value: Any, *argument_keys: str) -> ToolCall | None:
+def call_of(value: Any, *argument_keys: str) -> ToolCall | None:
+    """A decoded ``{"name", <arguments>}`` object as a call (None when it is not one)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     arguments = _arguments(value, *argument_keys)
     return None if arguments is None else ToolCall.of(value["name"], arguments)
+
+
+def outside_blocks(text: str, block: re.Pattern[str], start: int) -> str | None:
+    """An answer's text around its call blocks (``block`` matches one; the first starts at
+    ``start``): before the first, between them and after the last, each piece stripped,
+    joined by a newline; None when there is none."""
+    pieces, end = [text[:start]], start
+    for match in block.finditer(text, start):
+        pieces.append(text[end : match.start()])
+        end = match.end()
+    pieces.append(text[end:])
+    return "\n".join(p.strip() for p in pieces if p.strip()) or None
 
 
 def partial_suffix(text: str, marker: str) -> int:
@@ -80,7 +95,8 @@ class HermesParser:
     """``<tool_call>{json}</tool_call>`` blocks (see the module docstring for the families).
 
     A last block the answer ended inside (no closing tag) is read too. Content is the text
-    before the first block, stripped; None when empty.
+    around the blocks (before the first, after the last: :func:`outside_blocks`); None
+    when empty.
     """
 
     name = "hermes"
@@ -99,13 +115,13 @@ class HermesParser:
         calls = []
         for body in self._block.findall(text, start):
             try:
-                call = _call(json.loads(body), "arguments", "parameters")
+                call = call_of(json.loads(body), "arguments", "parameters")
             except ValueError:
                 return None
             if call is None:
                 return None
             calls.append(call)
-        return ParsedOutput(text[:start].strip() or None, calls)
+        return ParsedOutput(outside_blocks(text, self._block, start), calls)
 
     def hold_from(self, text: str) -> int:
         start = text.find(self.open_tag)
@@ -129,7 +145,7 @@ class Llama3JsonParser:
                 value, position = decoder.raw_decode(body, position)
             except ValueError:
                 return None
-            call = _call(value, "parameters", "arguments")
+            call = call_of(value, "parameters", "arguments")
             if call is None:
                 return None
             calls.append(call)
@@ -150,11 +166,6 @@ def _skip_separators(body: str, position: int) -> int:
     return position
 
 
-PARSERS: Mapping[str, ToolParser] = {
-    parser.name: parser for parser in (HermesParser(), Llama3JsonParser())
-}
-
-
 def registered(registry: Mapping[str, T], name: str, what: str) -> T:
     """``registry[name]``, else a ``ValueError`` naming ``what`` and the known names."""
     try:
@@ -162,20 +173,3 @@ def registered(registry: Mapping[str, T], name: str, what: str) -> T:
     except KeyError:
         known = ", ".join(sorted(registry))
         raise ValueError(f"no {what} named {name!r}; known: {known}") from None
-
-
-def get_parser(name: str) -> ToolParser:
-    """The parser registered as ``name`` (``ValueError`` naming the known ones otherwise)."""
-    return registered(PARSERS, name, "tool-call parser")
-
-
-def parser_for_template(template: str | None) -> ToolParser:
-    """The parser for the format a chat template teaches: Llama 3's JSON when the template
-    holds ``<|python_tag|>`` or asks for ``"parameters"`` without ``<tool_call>`` tags;
-    otherwise ``hermes`` (also what templates without tools are taught)."""
-    text = template or ""
-    if "<tool_call>" not in text and (
-        Llama3JsonParser.python_tag in text or '"parameters"' in text
-    ):
-        return PARSERS["llama3_json"]
-    return PARSERS["hermes"]

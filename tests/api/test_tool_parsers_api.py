@@ -79,3 +79,113 @@ def test_streamed_the_call_arrives_as_tool_calls_and_no_text_is_lost(
     assert reason == "tool_calls" and calls == [("f", {"a": 1})]
     expected = _expected_content(name)
     assert content.replace("\n", "") == (expected or "").replace("\n", "")
+
+
+# -- tool_choice "required" in the model's own format --------------------------------------
+
+TWO_CALLS = "\n".join(
+    f'<tool_call>\n{{"name": "f", "arguments": {{"a": {i}}}}}\n</tool_call>' for i in (1, 2)
+)
+
+
+@pytest.fixture(scope="module")
+def hermes_client() -> Iterator[openai.OpenAI]:
+    engine = Engine(replace(ECHO, chat_template=TOOLS_TEMPLATE))
+    for server in serve(create_app(engine)):
+        with openai_client(server.url) as client:
+            yield client
+
+
+def _required(client: openai.OpenAI, **options: Any) -> Any:
+    messages = [{"role": "system", "content": TWO_CALLS}, {"role": "user", "content": "?"}]
+    return client.chat.completions.create(
+        model="default", messages=messages, tools=[TOOL], tool_choice="required", **options
+    ).choices[0]
+
+
+def _arguments(choice: Any) -> list[dict[str, Any]]:
+    return [json.loads(c.function.arguments) for c in choice.message.tool_calls or []]
+
+
+def test_required_is_forced_in_tool_call_blocks_that_may_end_after_each(
+    hermes_client: openai.OpenAI,
+) -> None:
+    """The echo writes the system text's blocks where the grammar allows them: two with
+    parallel calls; without, the grammar ends the answer after the first."""
+    both = _required(hermes_client)
+    assert both.finish_reason == "tool_calls" and _arguments(both) == [{"a": 1}, {"a": 2}]
+    one = _required(hermes_client, parallel_tool_calls=False)
+    assert one.finish_reason == "tool_calls" and _arguments(one) == [{"a": 1}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_cut_by_max_tokens_keeps_its_complete_calls(
+    hermes_client: openai.OpenAI, stream: bool
+) -> None:
+    engine = Engine(replace(ECHO, chat_template=TOOLS_TEMPLATE))
+    try:
+        engine.start_sync()
+        first = TWO_CALLS.split("\n<tool_call>")[0]
+        cut = len(engine.tokenizer.encode(first + '\n<tool_call>\n{"name"'))
+    finally:
+        engine.close()
+    if not stream:
+        choice = _required(hermes_client, max_tokens=cut)
+        assert choice.finish_reason == "tool_calls" and _arguments(choice) == [{"a": 1}]
+        return
+    messages = [{"role": "system", "content": TWO_CALLS}, {"role": "user", "content": "?"}]
+    calls: list[dict[str, Any]] = []
+    for chunk in hermes_client.chat.completions.create(
+        model="default",
+        messages=messages,
+        tools=[TOOL],
+        tool_choice="required",
+        max_tokens=cut,
+        stream=True,
+    ):
+        for c in chunk.choices:
+            calls += [json.loads(t.function.arguments or "") for t in c.delta.tool_calls or []]
+    assert calls == [{"a": 1}]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_tokens", [256, 40])
+def test_the_default_model_answers_required_with_calls_that_validate(max_tokens: int) -> None:
+    """As a new user would try it: three parameters, parallel calls on; a long answer ends
+    on its own, one cut by max_tokens keeps the call it completed."""
+    import jsonschema
+
+    for server in serve(create_app(Engine(model="default"))):
+        with openai_client(server.url) as client:
+            choice = client.chat.completions.create(
+                model="default",
+                messages=[{"role": "user", "content": "What is the weather in Paris for 3 days?"}],
+                tools=[WEATHER],
+                tool_choice="required",
+                max_tokens=max_tokens,
+                temperature=0.0,
+            ).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert calls and all(c.function.name == "get_weather" for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])

@@ -110,3 +110,30 @@ def test_anything_else_is_a_plain_answer(text: str) -> None:
     assert ForcedCallParser(TOOLS, None).parse(text) is None
     assert ForcedCallParser(TOOLS, None).hold_from(text) == 0
     assert ForcedCallParser(TOOLS, "get_weather").parse("[1]") is None
+
+
+def test_forced_hermes_blocks_read_back_keeping_only_whole_calls() -> None:
+    from inlinelm.tools import ForcedHermesParser
+
+    parser = ForcedHermesParser([FunctionTool("f"), FunctionTool("g")])
+    block = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    two = block + "\n" + block.replace('"f"', '"g"')
+    assert [c.name for c in parser.parse(two).calls] == ["f", "g"]  # type: ignore[union-attr]
+    cut_in_call = block + '\n<tool_call>\n{"name": "g", "argu'
+    assert [c.name for c in parser.parse(cut_in_call).calls] == ["f"]  # type: ignore[union-attr]
+    cut_in_tag = block + '\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_'
+    assert [c.name for c in parser.parse(cut_in_tag).calls] == ["f", "g"]  # type: ignore[union-attr]
+    assert parser.parse('<tool_call>\n{"name": "f", "argu') is None
+    assert parser.parse(block.replace('"f"', '"h"')) is None
+    assert parser.parse("<tool_call>\nnot json\n</tool_call>") is None
+
+
+def test_forced_hermes_structure_is_a_lark_grammar_of_closed_blocks() -> None:
+    from inlinelm.tools import hermes_forced_structure
+
+    tools = [FunctionTool("f", parameters={"type": "object"})]
+    parallel = hermes_forced_structure(tools, parallel=True)
+    single = hermes_forced_structure(tools, parallel=False)
+    assert parallel.kind == single.kind == "grammar"
+    assert "start: call+" in parallel.text and "start: call\n" in single.text
+    assert '"<tool_call>\\n" body "\\n</tool_call>"' in parallel.text

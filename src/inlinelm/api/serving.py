@@ -164,7 +164,7 @@ class OpenAIServing:
         try:
             stream = self.engine.chat(
                 messages,
-                parsed.params,
+                self.tools.params(parsed),
                 request_id=rid,
                 arrival_time=arrival,
                 tools=tools,

@@ -23,8 +23,9 @@ from inlinelm.api.formats import ChatFormat, ChoiceFormat
 from inlinelm.api.protocol import ChatRequest
 from inlinelm.api.responses import TokenTexts, chat_choice, chat_delta_choice, chat_logprobs
 from inlinelm.runtime.outputs import CompletionOutput, TokenLogprobs
+from inlinelm.sampling_params import SamplingParams
 from inlinelm.tools.calls import ParsedOutput, ToolCall
-from inlinelm.tools.forced import ForcedCallParser
+from inlinelm.tools.forced import ForcedCallParser, ForcedHermesParser, hermes_forced_structure
 from inlinelm.tools.parsers import ToolParser
 from inlinelm.tools.registry import parser_for_template
 from inlinelm.tools.template import prepare_messages, template_supports_tools
@@ -53,16 +54,41 @@ class ToolPolicy:
         tools = [t.to_openai() for t in offered] if native and offered else None
         return messages, tools
 
+    def params(self, parsed: ChatRequest) -> SamplingParams:
+        """The chat's sampling parameters: "required" for a model of Hermes' format is
+        forced in ``<tool_call>`` blocks (:func:`~inlinelm.tools.hermes_forced_structure`)
+        rather than the JSON the request was parsed with."""
+        tools = parsed.tools
+        if tools is None or not self._forced_as_hermes(parsed):
+            return parsed.params
+        return parsed.params.with_overrides(
+            structured=hermes_forced_structure(tools.tools, tools.parallel)
+        )
+
+    def family_parser(self) -> ToolParser:
+        """The parser of "auto" answers: the server's, else the chat template's family's."""
+        return self.parser or parser_for_template(self.template())
+
+    def _forced_as_hermes(self, parsed: ChatRequest) -> bool:
+        tools = parsed.tools
+        return (
+            tools is not None
+            and tools.choice == "required"
+            and self.family_parser().name == "hermes"
+        )
+
     def format(self, parsed: ChatRequest, texts: TokenTexts) -> ChoiceFormat:
         """Plain chat choices, or choices read for tool calls when the chat offers tools."""
         tools = parsed.tools
         if tools is None or tools.choice == "none":
             return ChatFormat(texts, parsed.logprobs)
         parser: ToolParser
-        if tools.forced:
+        if self._forced_as_hermes(parsed):
+            parser = ForcedHermesParser(tools.tools)
+        elif tools.forced:
             parser = ForcedCallParser(tools.tools, tools.named)
         else:
-            parser = self.parser or parser_for_template(self.template())
+            parser = self.family_parser()
         names = frozenset(tool.name for tool in tools.offered)
         return ToolChatFormat(texts, parsed.logprobs, parser, tools.parallel, names)
 

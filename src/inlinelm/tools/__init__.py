@@ -13,7 +13,13 @@
 
 from inlinelm.tools.calls import FunctionTool, ParsedOutput, ToolCall, new_call_id
 from inlinelm.tools.family_parsers import MistralParser, PythonicParser, Qwen3CoderParser
-from inlinelm.tools.forced import ForcedCallParser, forced_schema, forced_structure
+from inlinelm.tools.forced import (
+    ForcedCallParser,
+    ForcedHermesParser,
+    forced_schema,
+    forced_structure,
+    hermes_forced_structure,
+)
 from inlinelm.tools.parsers import HermesParser, Llama3JsonParser, ToolParser
 from inlinelm.tools.registry import PARSERS, get_parser, parser_for_template
 from inlinelm.tools.template import (
@@ -26,6 +32,7 @@ from inlinelm.tools.template import (
 __all__ = [
     "PARSERS",
     "ForcedCallParser",
+    "ForcedHermesParser",
     "FunctionTool",
     "HermesParser",
     "Llama3JsonParser",
@@ -39,6 +46,7 @@ __all__ = [
     "forced_schema",
     "forced_structure",
     "get_parser",
+    "hermes_forced_structure",
     "new_call_id",
     "parser_for_template",
     "prepare_messages",

@@ -40,6 +40,7 @@ from inlinelm.api.protocol import (
     parse_detokenize,
     parse_tokenize,
 )
+from inlinelm.api.responses_endpoint import ResponsesEndpoint
 from inlinelm.api.serving import OpenAIServing, error_response, health_of, ready
 from inlinelm.reasoning import ReasoningParser, get_reasoning_parser
 from inlinelm.tools.parsers import ToolParser
@@ -119,6 +120,7 @@ def openai_router(
         routes=[
             route("/v1/chat/completions", serving.chat_completions, "POST"),
             route("/v1/completions", serving.completions, "POST"),
+            route("/v1/responses", ResponsesEndpoint(serving).create, "POST"),
             route("/v1/models", api.models, "GET"),
             route("/health", api.health, "GET"),
             route("/metrics", api.metrics, "GET"),

@@ -93,21 +93,35 @@ class OpenAIServing:
         arrival = time.perf_counter()  # NOTE: before the body is read: TTFT starts here.
         try:
             body = await read_body(request, self.max_request_bytes)
-            parsed = parse_chat(parse_json(body), self.limits)
-            self._check_model(parsed.model)
-            await ready(self.engine)
             rid = new_id("chatcmpl")
-            messages, tools = self.tools.inputs(parsed)
-            stream = await self._start_chat(parsed, messages, tools, rid, arrival, len(body))
+            parsed, stream = await self.open_chat(parse_json(body), rid, arrival, len(body))
         except Exception as exc:
             return error_response(exc)
         header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
-        fmt = self.tools.format(parsed, self.texts())
-        if self.reasoning() is not None:
-            fmt = ReasoningChatFormat(fmt, parsed.include_reasoning, self.texts(), parsed.logprobs)
+        fmt = self.chat_format(parsed)
         if parsed.stream:
             return self._stream_response([stream], header, fmt, parsed.params.n, arrival)
         return await self._whole_response(request, [stream], header, fmt, parsed.params.n, arrival)
+
+    async def open_chat(
+        self, data: Any, rid: str, arrival: float, size: int
+    ) -> tuple[ChatRequest, OutputStream]:
+        """Parse a chat body (``data``: its JSON) and hand the chat to the engine (``size``:
+        the body's bytes); every error raises here, before any response starts."""
+        parsed = parse_chat(data, self.limits)
+        self._check_model(parsed.model)
+        await ready(self.engine)
+        messages, tools = self.tools.inputs(parsed)
+        stream = await self._start_chat(parsed, messages, tools, rid, arrival, size)
+        return parsed, stream
+
+    def chat_format(self, parsed: ChatRequest) -> ChoiceFormat:
+        """How a chat's choices are written: read for tool calls when it offers tools, with
+        the reasoning apart when the model reasons."""
+        fmt = self.tools.format(parsed, self.texts())
+        if self.reasoning() is not None:
+            fmt = ReasoningChatFormat(fmt, parsed.include_reasoning, self.texts(), parsed.logprobs)
+        return fmt
 
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``; a list of prompts makes one engine request per prompt."""

@@ -240,3 +240,17 @@ def test_a_client_that_leaves_mid_stream_aborts_and_frees_the_request() -> None:
                 if "response.output_text.delta" in line:
                     break
         wait_for(lambda: is_drained(engine), what="the request to be aborted and freed")
+
+
+def test_a_streamed_json_schema_answer_and_a_streamed_follow_up(client: openai.OpenAI) -> None:
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}}
+    with client.responses.stream(model="default", input='{"answer": 7}', text=text) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_response()
+    jsonschema.validate(json.loads(final.output_text), SCHEMA)
+    follow_up: list[Any] = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Rain"},
+    ]
+    with client.responses.stream(model="default", input=follow_up, tools=[TOOL]) as stream:  # type: ignore[list-item]
+        assert stream.get_final_response().output_text == "Rain"

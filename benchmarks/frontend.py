@@ -2,7 +2,7 @@
 
 B streaming chat requests (B = 32, 128, 256 by default) are registered through the real
 runtime pieces of an echo ``Engine`` (its ``LoopBridge``, ``OutputProcessor``, the
-``RequestState``/``ParentRequest`` that ``Engine._make_states`` builds, with the real
+``RequestState``/``ParentRequest`` that the submitter's ``_make_states`` builds, with the real
 incremental detokenizers and collectors) and read by one consumer task per request that runs
 the router's SSE driver (``inlinelm.api.sse.event_stream``: ``chat.completion.chunk`` dicts
 and their JSON) and turns each frame into SSE bytes as sse-starlette does (no socket).
@@ -71,10 +71,12 @@ from _common import (
 )
 from inlinelm.api.formats import ChatFormat
 from inlinelm.api.responses import ResponseHeader, TokenTexts, new_id
-from inlinelm.runtime import engine as engine_module
+from inlinelm.runtime.bridge import post_outputs
 from inlinelm.runtime.collector import RequestOutputCollector
 from inlinelm.runtime.engine import Engine
+from inlinelm.runtime.prompt_source import PromptSource
 from inlinelm.runtime.stream import RequestStream, Submission
+from inlinelm.runtime.submission import LazySubmission
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.output import EngineCoreOutput, EngineCoreOutputs
 from inlinelm.sched.request import FinishReason
@@ -267,9 +269,9 @@ async def run_once(
     for i in range(batch):
         rid = f"bench{setup.run_index}-{i}"
         prompt = setup.prompts[i % len(setup.prompts)]
-        parent, children = engine._submitter._make_states(
-            loaded, rid, prompt, params, time.perf_counter()
-        )
+        source = PromptSource.of_prompt(prompt, False, len(prompt))
+        pending = LazySubmission(engine._submitter, source, params, rid, time.perf_counter())
+        parent, children = engine._submitter._make_states(loaded, pending, prompt, params, None)
         bridge.processor.add(parent, children)
         if timers is not None:
             for child in children:
@@ -295,7 +297,7 @@ async def run_once(
         ]
         for k in range(steps)
     ]
-    sink = functools.partial(engine_module.post_outputs, engine._dispatcher, engine._heartbeat)
+    sink = functools.partial(post_outputs, engine._dispatcher, engine._heartbeat)
     done = setup.done
     done.clear()
     tally_metrics = engine.metrics

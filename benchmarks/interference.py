@@ -205,7 +205,7 @@ class StepRecorder:
         self.recording = False
 
     def install(self) -> None:
-        from inlinelm.runtime import engine as engine_module
+        from inlinelm.runtime import engine_base as engine_module
 
         post = engine_module.post_outputs
         rows = self.rows

@@ -189,3 +189,26 @@ def test_the_default_model_answers_required_with_calls_that_validate(max_tokens:
     assert calls and all(c.function.name == "get_weather" for c in calls)
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_qwen3_coder_values_are_typed_by_the_offered_functions_schema() -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"zip": {"type": "string"}}},
+        },
+    }
+    system = (
+        "<tool_call>\n<function=f>\n<parameter=zip>\n12345\n</parameter>\n</function>\n</tool_call>"
+    )
+    engine = Engine(replace(ECHO, chat_template=TOOLS_TEMPLATE))
+    for server in serve(create_app(engine, tool_parser="qwen3_coder")):
+        with openai_client(server.url) as client:
+            choice = client.chat.completions.create(
+                model="default",
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": "?"}],
+                tools=[tool],  # type: ignore[list-item]
+            ).choices[0]
+    (call,) = choice.message.tool_calls or []
+    assert json.loads(call.function.arguments) == {"zip": "12345"}

@@ -117,3 +117,13 @@ def test_templates_pick_the_new_families() -> None:
     assert parser_for_template(llama4).name == "pythonic"
     llama32 = "[func_name1(params_name1=params_value1, params_name2=params_value2...)]"
     assert parser_for_template(llama32).name == "pythonic"
+
+
+def test_qwen3_coder_keeps_a_string_parameter_as_written_when_it_knows_the_schema() -> None:
+    from inlinelm.tools import FunctionTool
+
+    schema = {"type": "object", "properties": {"zip": {"type": "string"}, "n": {"type": "integer"}}}
+    text = "<function=f>\n<parameter=zip>\n12345\n</parameter>\n<parameter=n>\n3\n</parameter>\n</function>"
+    assert _calls(Qwen3CoderParser().parse(text)) == [("f", {"zip": 12345, "n": 3})]
+    typed = Qwen3CoderParser().with_tools([FunctionTool("f", parameters=schema)])
+    assert _calls(typed.parse(text)) == [("f", {"zip": "12345", "n": 3})]

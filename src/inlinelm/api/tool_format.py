@@ -89,6 +89,9 @@ class ToolPolicy:
             parser = ForcedCallParser(tools.tools, tools.named)
         else:
             parser = self.family_parser()
+            with_tools = getattr(parser, "with_tools", None)
+            if with_tools is not None:
+                parser = with_tools(tools.offered)  # NOTE: one that types values by schema
         names = frozenset(tool.name for tool in tools.offered)
         return ToolChatFormat(texts, parsed.logprobs, parser, tools.parallel, names)
 

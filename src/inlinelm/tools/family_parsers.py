@@ -2,8 +2,9 @@
 (:mod:`inlinelm.tools.parsers`):
 
 - ``qwen3_coder``: Qwen3-Coder's XML, ``<tool_call><function=NAME><parameter=KEY>VALUE
-  </parameter>…</function></tool_call>``; a value is read as JSON where it is JSON (a
-  number, ``true``, a list, an object) and kept as text otherwise.
+  </parameter>…</function></tool_call>``; a value is text where the function's schema
+  says the parameter is a string (so ``02134`` stays ``"02134"``), else read as JSON where
+  it is JSON (a number, ``true``, a list, an object) and kept as text otherwise.
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` (Mistral's
   v3 tokenizers), or ``[TOOL_CALLS]NAME[ARGS]{…}`` per call (its v11 ones).
 - ``pythonic``: a Python list of calls with literal keyword arguments,
@@ -19,9 +20,10 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
-from inlinelm.tools.calls import ParsedOutput, ToolCall
+from inlinelm.tools.calls import FunctionTool, ParsedOutput, ToolCall
 from inlinelm.tools.parsers import call_of, outside_blocks, partial_suffix
 
 
@@ -31,6 +33,17 @@ class Qwen3CoderParser:
 
     name = "qwen3_coder"
     open_tag = "<tool_call>"
+
+    def __init__(self, tools: Sequence[FunctionTool] = ()) -> None:
+        # parameter name → its JSON Schema, per function offered
+        self._schemas = {
+            tool.name: dict(tool.parameters_schema.get("properties") or {}) for tool in tools
+        }
+
+    def with_tools(self, tools: Sequence[FunctionTool]) -> Qwen3CoderParser:
+        """This parser typing each value by the offered functions' schemas."""
+        return Qwen3CoderParser(tools)
+
     function_tag = "<function="
     _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
     _function = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)
@@ -48,8 +61,10 @@ class Qwen3CoderParser:
             if function is None:
                 return None
             name = function.group(1).strip()
+            schemas = self._schemas.get(name, {})
             arguments = {
-                key.strip(): _value(value) for key, value in self._parameter.findall(function[2])
+                key.strip(): _value(value, schemas.get(key.strip()))
+                for key, value in self._parameter.findall(function[2])
             }
             if not name:
                 return None
@@ -70,8 +85,11 @@ class Qwen3CoderParser:
         return min(found) if found else -1
 
 
-def _value(text: str) -> Any:
-    """A parameter's value: JSON where it parses as JSON, else the text as written."""
+def _value(text: str, schema: Any) -> Any:
+    """A parameter's value: the text where its schema says string, else JSON where it
+    parses as JSON, else the text as written."""
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        return text
     try:
         return json.loads(text)
     except ValueError:

@@ -8,7 +8,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 # `make TORCH_SPEC=torch==X` picks another torch (tools/install_torch.py reads it).
 export TORCH_SPEC
 
-.PHONY: install install-dev serve test lint typecheck browser bench clean
+.PHONY: install install-dev serve test kernels lint typecheck browser bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,13 +46,14 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-# The CPU kernels compile (minutes on two cores, the first time) while the browser installs
-# and the code is linted and type-checked; the tests start once all of it is done.
-test: $(DEV_STAMP)
-	@$(PY) -c "from inlinelm.gpu.model.cpu_extension import cpu_extension; cpu_extension()" & \
-	kernels=$$!; \
-	$(MAKE) --no-print-directory -j3 browser lint typecheck || { kill $$kernels; exit 1; }; \
-	wait $$kernels
+# The CPU kernels compile in the background (minutes on two cores, the first time) while the
+# browser installs and the code is linted and type-checked; the tests' first use of them
+# waits on that build's lock (torch's) instead of starting another.
+kernels: $(DEV_STAMP)
+	$(PY) -c "from inlinelm.gpu.model.cpu_extension import cpu_extension; cpu_extension()" \
+		>/dev/null 2>&1 &
+
+test: kernels browser lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(DEV_STAMP)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,18 @@ def _guard_real_weights() -> None:
         return files
 
     weights.weight_files = checked  # type: ignore[assignment]
+
+
+@pytest.fixture(autouse=True)
+def _denormals_kept() -> Iterator[None]:
+    """Put pytest's thread back to IEEE denormals after each test: the model runner flushes
+    them to zero on the thread that runs it (an engine's own thread in use; pytest's in a
+    test that drives the runner directly), and a later test's floats would then depend on
+    the order the tests ran in (hypothesis refuses to run on a flushed thread)."""
+    yield
+    import torch
+
+    torch.set_flush_denormal(False)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -63,6 +63,18 @@ _G = "tests/gpu/"
 _A, _M, _S = _G + "attention/", _G + "model/", _G + "sampling/"  # tests/gpu's rooms
 CPU_TWINS: dict[str, tuple[str, ...]] = {
     # gpu test -> the CPU tests that run the same path with a CPU device or a stand-in
+    _G + "test_pooling_cuda.py::test_embeddings_and_scores_on_cuda_equal_the_cpu": (
+        _G + "test_pooling_cuda.py::test_the_cuda_comparisons_run_on_a_cpu",
+        "tests/pooling/test_pooling_engine.py::"
+        + "test_embeddings_equal_sentence_transformers_in_one_ragged_batch",
+        "tests/pooling/test_pooling_engine.py::"
+        + "test_cross_encoder_scores_equal_transformers_sigmoid",
+    ),
+    _G + "test_pooling_cuda.py::test_prompt_logprobs_on_cuda_equal_the_cpu": (
+        _G + "test_pooling_cuda.py::test_the_cuda_comparisons_run_on_a_cpu",
+        "tests/runtime/test_prompt_logprobs.py::"
+        + "test_prompt_logprobs_equal_transformers_in_chunks_beside_other_requests",
+    ),
     _A + "test_attention_backends.py::test_page_table_attention_equals_torch_backend_on_cuda": (
         _A + "test_page_table.py::test_page_table_attention_equals_torch_backend",
     ),

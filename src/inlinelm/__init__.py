@@ -32,8 +32,10 @@ from inlinelm.errors import (
 from inlinelm.runtime.engine import Engine
 from inlinelm.runtime.outputs import (
     CompletionOutput,
+    EmbeddingOutput,
     RequestMetrics,
     RequestOutput,
+    ScoreOutput,
     TokenLogprobs,
 )
 from inlinelm.runtime.stream import RequestStream
@@ -42,6 +44,7 @@ from inlinelm.sampling_params import OutputKind, SamplingParams
 __all__ = [
     "CompletionOutput",
     "ConfigError",
+    "EmbeddingOutput",
     "Engine",
     "EngineClosedError",
     "EngineConfig",
@@ -57,6 +60,7 @@ __all__ = [
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
+    "ScoreOutput",
     "SlowConsumerError",
     "TokenLogprobs",
 ]

@@ -17,6 +17,8 @@ DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 QuantizationName = Literal["auto", "int8", "none"]
 KVCacheDTypeName = Literal["auto", "float32", "float16"]
 AttentionBackendName = Literal["auto", "flashinfer", "torch"]
+TaskName = Literal["auto", "generate", "embed", "score"]
+PoolingName = Literal["auto", "last", "mean", "cls"]
 
 DEFAULT_CUDA_GRAPH_MEMORY_BYTES = 512 * 1024**2
 """GPU memory the KV-cache sizing leaves for the CUDA-graph pool (static buffers, captured
@@ -112,6 +114,14 @@ class EngineConfig:
     model: str = "default"
     tokenizer: str | None = None
     runner: RunnerKind = "model"
+    # What the engine serves: "generate" (text), "embed" (embeddings: Engine.embed) or
+    # "score" (a cross-encoder's or a decoder reranker's relevance: Engine.score); "auto"
+    # reads the model folder (an encoder is an embedder, or a scorer with a classifier
+    # head; a decoder is a generator unless it is a sentence-transformers folder).
+    task: TaskName = "auto"
+    # An embedder's pooling: "auto" as its sentence-transformers files say (else the
+    # first token for an encoder, the last for a decoder), or "last", "mean", "cls".
+    pooling: PoolingName = "auto"
     device: str = "cpu"
     # "auto": bfloat16 on CUDA, float32 elsewhere (see model_dtype).
     dtype: DTypeName = "auto"
@@ -330,6 +340,8 @@ class EngineConfig:
             ("attention_backend", AttentionBackendName),
             ("quantization", QuantizationName),
             ("kv_cache_dtype", KVCacheDTypeName),
+            ("task", TaskName),
+            ("pooling", PoolingName),
         ):
             value = getattr(self, name)
             if value not in get_args(kinds):

@@ -112,6 +112,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of the prompt's own tokens (vLLM's prompt_logprobs): each prompt token's
+    # after the first, with this many top alternatives; computed during prefill.
+    prompt_logprobs: int | None = None
     logit_bias: Mapping[int, float] = field(default_factory=LogitBias)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -271,6 +274,12 @@ class SamplingParams:
         _check(
             self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
             "logprobs",
+            "must be an int >= 0 or None",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+            "prompt_logprobs",
             "must be an int >= 0 or None",
         )
         _check(

@@ -7,6 +7,7 @@ import inlinelm
 PUBLIC = [
     "CompletionOutput",
     "ConfigError",
+    "EmbeddingOutput",
     "Engine",
     "EngineClosedError",
     "EngineConfig",
@@ -22,6 +23,7 @@ PUBLIC = [
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
+    "ScoreOutput",
     "SlowConsumerError",
     "TokenLogprobs",
 ]

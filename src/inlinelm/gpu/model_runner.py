@@ -34,10 +34,11 @@ from inlinelm.gpu.model.models.decoder import DecoderModel
 from inlinelm.gpu.model.rope import long_context_from
 from inlinelm.gpu.model_fit import DTYPES, ModelFit, check_model_fits
 from inlinelm.gpu.model_memory import return_free_heap
+from inlinelm.gpu.prompt_outputs import PoolSums, PromptOutputs
 from inlinelm.gpu.sampling.sampler import Sampler, flashinfer_sampling
 from inlinelm.gpu.sampling.step_sampling import StepSampling, seeded_generator
 from inlinelm.gpu.staging import HostStaging
-from inlinelm.gpu.step_forward import one_sequence_metadata, stage_forward
+from inlinelm.gpu.step_forward import RunModel, one_sequence_metadata, stage_forward
 from inlinelm.gpu.step_output import StepInFlight
 from inlinelm.sched.output import SchedulerOutput
 from inlinelm.sched.runner import ModelRunnerOutput
@@ -140,6 +141,7 @@ class ModelRunner:
             config.max_num_seqs, self.model_config.vocab_size, self.device
         )
         self._in_flight: deque[StepInFlight] = deque()
+        self._pool_sums: PoolSums = {}
         self._current_threads = 0
         self._prepared_thread: int | None = None
         self._closed = False
@@ -225,19 +227,27 @@ class ModelRunner:
         # 1) forget rows the scheduler dropped, add and sync the scheduled ones
         for request_id in batch.removed_ids:
             self.batch.remove(request_id)
+            self._pool_sums.pop(request_id, None)
         rows, num_scheduled, starts, samples = self._sync_rows(batch)
         # 2) build the flat inputs and stage them with the sampling settings; one copy
         inputs = self.batch.prepare(rows, num_scheduled, starts, samples)
         staging = HostStaging(self.device)
+        prompt = PromptOutputs.of(batch, inputs)
+        run_model = self._run_model if prompt is None else self._prompt_run(prompt)
+        # NOTE: a step with prompt outputs runs eagerly: a graph returns logits alone.
+        graphs = self.graphs if prompt is None else None
         forward = stage_forward(
-            inputs, staging, self.graphs, self._step_sampling.last_sampled, self._run_model
+            inputs, staging, graphs, self._step_sampling.last_sampled, run_model
         )
         sample = self._step_sampling.stage(self.sampler, batch, inputs, self.batch, staging)
         staging.send()
         # 3) run the model on the rows that sample, sample on the device; the ids start on
         # their way to the host
         self._set_threads()
-        self._in_flight.append(sample(forward()))
+        step = sample(forward())
+        if prompt is not None:
+            step.pooled, step.prompt_logprobs = prompt.pooled, prompt.prompt_logprobs
+        self._in_flight.append(step)
 
     def collect(self) -> ModelRunnerOutput:
         """Wait for the oldest submitted step; return its tokens and record them in the
@@ -291,6 +301,27 @@ class ModelRunner:
         caches = self.kv_caches if kv_caches is None else kv_caches
         logits: torch.Tensor = self.model(input_ids, positions, caches, meta, logits_indices)
         return logits
+
+    def _prompt_run(self, prompt: PromptOutputs) -> RunModel:
+        """The step's forward for ``prompt``'s requests: the hidden states of their rows
+        come back beside the sampling rows' and become their results."""
+        rows = torch.from_numpy(prompt.rows()).to(self.device)
+
+        def run(
+            meta: AttentionMetadata,
+            input_ids: torch.Tensor,
+            positions: torch.Tensor,
+            logits_indices: torch.Tensor,
+        ) -> torch.Tensor:
+            self.backend.prepare(meta, self.config.block_size)
+            wanted = torch.cat([logits_indices, rows])
+            hidden = self.model.hidden_states(input_ids, positions, self.kv_caches, meta, wanted)
+            num_sampling = len(logits_indices)
+            prompt.read(hidden[num_sampling:], self.model.compute_logits, self._pool_sums)
+            logits: torch.Tensor = self.model.compute_logits(hidden[:num_sampling])
+            return logits
+
+        return run
 
     def _sync_rows(
         self, batch: SchedulerOutput

@@ -15,6 +15,7 @@ import torch
 
 from inlinelm.gpu.attention.metadata import IntArray
 from inlinelm.gpu.sampling.sampler import LogprobsTensors, SamplerOutput, to_token_logprobs
+from inlinelm.sched.output import TokenLogprobs
 from inlinelm.sched.request import Request
 from inlinelm.sched.runner import ModelRunnerOutput
 
@@ -29,6 +30,9 @@ class StepInFlight:
     logprobs: LogprobsTensors | None = None
     num_logprobs: list[int | None] = field(default_factory=list)
     ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
+    # The step's prompt outputs (see PromptOutputs), on the host already.
+    pooled: dict[str, list[float]] | None = None
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
 
     def wait(self) -> None:
         """Block until the copies landed (a no-op on the CPU)."""
@@ -46,6 +50,8 @@ class StepInFlight:
             req_ids=[r.request_id for r in self.requests],
             sampled_token_ids=sampled.tolist(),
             logprobs=logprobs,
+            pooled=self.pooled,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

@@ -19,6 +19,11 @@ def check_limits(config: EngineConfig, params: SamplingParams) -> None:
         raise RequestError(
             f"logprobs must be at most {config.max_logprobs} on this engine", param="logprobs"
         )
+    if params.prompt_logprobs is not None and params.prompt_logprobs > config.max_logprobs:
+        raise RequestError(
+            f"prompt_logprobs must be at most {config.max_logprobs} on this engine",
+            param="prompt_logprobs",
+        )
     check_stop_limits(config, params.stop)
 
 

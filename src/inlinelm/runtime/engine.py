@@ -10,7 +10,7 @@ from typing import Any
 from inlinelm.chat_template import chat_kwargs
 from inlinelm.errors import RequestError
 from inlinelm.reasoning import ReasoningParser, reasoning_choice
-from inlinelm.runtime.engine_base import EngineBase
+from inlinelm.runtime.engine_pooling import EnginePooling
 from inlinelm.runtime.outputs import RequestOutput
 from inlinelm.runtime.prompt_source import (
     Prompt,
@@ -27,7 +27,7 @@ from inlinelm.sampling_params import SamplingParams
 logger = logging.getLogger("inlinelm")
 
 
-class Engine(EngineBase):
+class Engine(EnginePooling):
     """An LLM engine living in this process: one engine thread, outputs on the callers' loops.
 
     ``Engine(model="default", **options)`` or ``Engine(EngineConfig(...))``. Construction does

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -14,6 +15,12 @@ from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError, ModelLoadError, RequestError
 from inlinelm.reasoning import ReasoningParser, get_reasoning_parser, parser_for_template
 from inlinelm.runtime.admission import Admission
+from inlinelm.runtime.pooler_config import (
+    RERANKER_ANSWERS,
+    PoolerConfig,
+    read_pooler_config,
+    resolve_task,
+)
 from inlinelm.runtime.prompt_source import render_chat
 from inlinelm.sampling_params import SamplingParams
 from inlinelm.sched.engine_core import EngineCore
@@ -24,6 +31,7 @@ from inlinelm.structured.sandbox import TokenizerSource
 from inlinelm.tools.template import chat_template_text
 
 if TYPE_CHECKING:
+    from inlinelm.gpu.model.encoders.config import EncoderConfig
     from inlinelm.gpu.model_fit import ModelFit
 
 logger = logging.getLogger("inlinelm")
@@ -44,6 +52,14 @@ class LoadedEngine:
     grammars: GrammarCompiler
     # The parser that splits a chat's reasoning from its answer by default (None: none).
     reasoning: ReasoningParser | None = None
+    # What the engine serves ("generate", "embed", "score") and, for the last two, how.
+    task: str = "generate"
+    pooler: PoolerConfig | None = None
+    # A pooling request's longest prompt (an encoder takes its whole context; a decoder
+    # one token less, where the sample it never uses would go).
+    max_pooled_tokens: int = 0
+    # A decoder reranker's answer tokens ("yes", "no").
+    token_pair: tuple[int, int] | None = None
 
     def reasoning_end_ids(
         self, parser: ReasoningParser | None, prompt_ids: list[int]
@@ -88,12 +104,19 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
 
     start = time.perf_counter()
     files = resolve_model(config.model, quantized=_quantized_weights(config))
-    fit = _check_model_fits(config, files.folder)
+    encoder = _encoder_config(config, files.folder)
+    fit = None if encoder is not None else _check_model_fits(config, files.folder)
     tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else files.folder)
     if config.chat_template is not None:
         tokenizer.chat_template = read_chat_template(config.chat_template)
     if fit is not None:
         _check_vocabulary(len(tokenizer), fit.model_config.vocab_size, files.folder)
+    if encoder is not None:
+        _check_vocabulary(len(tokenizer), encoder.vocab_size, files.folder)
+    hidden = (
+        encoder.hidden_size if encoder is not None else fit.model_config.hidden_size if fit else 0
+    )
+    task, pooler = _pooling_task(config, files.folder, encoder, hidden)
     logger.info("tokenizer loaded in %.2f s", time.perf_counter() - start)
     eos = tokenizer.eos_token_id
     defaults = config.sampling_defaults(files.generation)
@@ -103,12 +126,19 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
         defaults,
         completion_defaults["max_tokens"],
     )
-    runner, max_model_len, vocab_size, overlaps = _build_runner(config, files.folder, eos, fit)
+    if encoder is not None:
+        runner, max_model_len, vocab_size, overlaps = _build_encoder_runner(
+            config, files.folder, encoder
+        )
+    else:
+        runner, max_model_len, vocab_size, overlaps = _build_runner(config, files.folder, eos, fit)
     # NOTE: a runner that computes on the engine thread (the CPU model) gains nothing from
     # the pipelined loop, so it keeps the plain one.
     core_config = config.with_options(
         max_model_len=max_model_len, async_scheduling=config.async_scheduling and overlaps
     )
+    if encoder is not None:
+        core_config = _encoder_scheduling(core_config, max_model_len)
     core = EngineCore(core_config, runner, eos, sink)
     core.start()
     logger.info(
@@ -130,8 +160,104 @@ def load_engine(config: EngineConfig, sink: Callable[[EngineCoreOutputs], None])
         cache_size=config.grammar_cache_size,
         cache_bytes=config.grammar_cache_bytes,
     )
-    reasoning = chat_reasoning_parser(config, tokenizer)
-    return LoadedEngine(core, tokenizer, max_model_len, eos, admission, grammars, reasoning)
+    reasoning = chat_reasoning_parser(config, tokenizer) if task == "generate" else None
+    max_pooled = max_model_len if encoder is not None else max_model_len - 1
+    if pooler is not None and pooler.max_input_tokens is not None:
+        max_pooled = min(max_pooled, pooler.max_input_tokens)
+    token_pair = None
+    if task == "score" and encoder is None:
+        token_pair = _answer_tokens(tokenizer, files.folder)
+    return LoadedEngine(
+        core,
+        tokenizer,
+        max_model_len,
+        eos,
+        admission,
+        grammars,
+        reasoning,
+        task,
+        pooler,
+        max_pooled,
+        token_pair,
+    )
+
+
+def _encoder_config(config: EngineConfig, folder: Path) -> EncoderConfig | None:
+    """The folder's encoder config when it holds an encoder (BERT, XLM-RoBERTa,
+    ModernBERT), else None (a decoder, or the echo runner)."""
+    if config.runner == "echo":
+        return None
+    from inlinelm.gpu.model.encoders.config import is_encoder_config, read_encoder_config
+
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # NOTE: the decoder path reads it again and names the fault
+    if not isinstance(raw, dict) or not is_encoder_config(raw):
+        return None
+    check_device(config.device)
+    return read_encoder_config(folder)
+
+
+def _pooling_task(
+    config: EngineConfig, folder: Path, encoder: EncoderConfig | None, hidden_size: int
+) -> tuple[str, PoolerConfig | None]:
+    """The task served and, for a pooling one, its pooling."""
+    if config.runner == "echo":
+        if config.task not in ("auto", "generate"):
+            raise ConfigError("the echo runner serves task='generate' only", option="task")
+        return "generate", None
+    classifier = encoder is not None and encoder.classifier
+    task = resolve_task(config, folder, encoder=encoder is not None, classifier=classifier)
+    labels = encoder.num_labels if encoder is not None else 1
+    pooler = read_pooler_config(
+        config,
+        folder,
+        task,
+        encoder=encoder is not None,
+        hidden_size=hidden_size,
+        num_labels=labels,
+    )
+    return task, pooler
+
+
+def _encoder_scheduling(config: EngineConfig, max_model_len: int) -> EngineConfig:
+    """The scheduling of an encoder: every prompt whole in one step (attention reads
+    every token), no prefix cache (nothing is kept), room for a full-length prompt (the
+    scheduler's length bounds a generator's prompt plus one token)."""
+    return config.with_options(
+        max_model_len=max_model_len + 1,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=max(config.max_num_batched_tokens, max_model_len + 1),
+    )
+
+
+def _answer_tokens(tokenizer: Any, folder: Path) -> tuple[int, int]:
+    """A decoder reranker's "yes" and "no" token ids; each must be one token."""
+    ids = []
+    for answer in RERANKER_ANSWERS:
+        encoded = tokenizer.encode(answer, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ConfigError(
+                f"task='score' on a decoder scores its answer {answer!r}, which the tokenizer "
+                f"of {folder} splits into {len(encoded)} tokens",
+                option="task",
+            )
+        ids.append(encoded[0])
+    return ids[0], ids[1]
+
+
+def _build_encoder_runner(
+    config: EngineConfig, folder: Path, encoder: EncoderConfig
+) -> tuple[Runner, int, int, bool]:
+    """An encoder's runner, its context length and vocabulary size (never pipelined)."""
+    from inlinelm.gpu.encoder_runner import EncoderRunner
+
+    runner = EncoderRunner(config, folder, encoder)
+    runner.warmup()
+    return runner, runner.max_model_len, encoder.vocab_size, False
 
 
 def chat_reasoning_parser(config: EngineConfig, tokenizer: Any) -> ReasoningParser | None:

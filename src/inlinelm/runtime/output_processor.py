@@ -101,6 +101,10 @@ class OutputProcessor:
                 self._fail_request(parent, _engine_failure(parent, out), to_abort)
                 return
             finish_reason, stop_reason = _finish_of(out)
+        if out.pooled is not None or out.prompt_logprobs is not None:
+            _keep_prompt_results(parent, out)
+            if out.pooled is not None:
+                self._record_first_token(parent, out, now, step_start)
         if out.new_token_ids:
             metrics = parent.metrics
             last = metrics.last_token_time
@@ -211,6 +215,8 @@ class OutputProcessor:
             parent.prompt_token_ids,
             parent.metrics,
             parent.num_cached_tokens,
+            parent.pooled,
+            parent.prompt_logprobs,
         )
         if not parent.collector.put(output):
             self._fail_slow_consumer(parent, to_abort)
@@ -248,6 +254,15 @@ def _split_reasoning(state: RequestState, finished: bool, delta: bool) -> tuple[
         state.answer_so_far += answer
         reasoning, answer = state.reasoning_so_far, state.answer_so_far
     return answer, reasoning or None
+
+
+def _keep_prompt_results(parent: ParentRequest, out: EngineCoreOutput) -> None:
+    """A pooling request's result, and the prompt's logprobs (from the first choice
+    that brings them: every choice computes the same)."""
+    if out.pooled is not None:
+        parent.pooled = out.pooled
+    if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+        parent.prompt_logprobs = [None, *out.prompt_logprobs]
 
 
 def _finish_of(out: EngineCoreOutput) -> tuple[str | None, int | str | None]:

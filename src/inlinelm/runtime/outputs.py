@@ -90,6 +90,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # A pooling request's result (Engine.embed's vector, Engine.score's scores).
+    pooled: list[float] | None = None
+    # With SamplingParams(prompt_logprobs=k): one entry per prompt token, None for the
+    # first (nothing predicts it), else its logprob and rank, then its top k.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:
@@ -110,6 +115,28 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[TokenLogprobs] | None:
         return self.outputs[0].logprobs if self.outputs else None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One input's embedding (``Engine.embed``): ``index`` is its place among the inputs,
+    ``num_prompt_tokens`` the tokens the model read (its prompt and special tokens
+    included)."""
+
+    index: int
+    embedding: list[float]
+    num_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class ScoreOutput:
+    """One document's relevance to the query (``Engine.score``), in [0, 1]: a
+    cross-encoder's sigmoid, a decoder reranker's probability of "yes". ``index`` is the
+    document's place among the documents."""
+
+    index: int
+    score: float
+    num_prompt_tokens: int
 
 
 def merge_choice(

@@ -37,6 +37,9 @@ class ParentRequest:
     deferred: list[Request] = field(default_factory=list)
     # final_only: the finished choices, delivered together when the last one ends.
     final_choices: list[CompletionOutput] = field(default_factory=list)
+    # A pooling request's result; the prompt's logprobs (prompt_logprobs), first entry None.
+    pooled: list[float] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -164,6 +164,10 @@ class RequestStream:
         whole = self._whole
         whole.finished = out.finished
         whole.num_cached_tokens = out.num_cached_tokens
+        if out.pooled is not None:
+            whole.pooled = out.pooled
+        if out.prompt_logprobs is not None:
+            whole.prompt_logprobs = out.prompt_logprobs
         for choice in out.outputs:
             merge_choice(whole.outputs, choice, delta=self._delta, copy=True)
         whole.outputs.sort(key=lambda c: c.index)

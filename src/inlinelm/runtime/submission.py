@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from inlinelm.config import EngineConfig
 from inlinelm.errors import (
@@ -47,8 +48,11 @@ from inlinelm.runtime.request_state import (
 from inlinelm.runtime.stream import RequestStream, Submission
 from inlinelm.runtime.workers import Workers, decode_all
 from inlinelm.sampling_params import OutputKind, SamplingParams
+from inlinelm.sched.pooling import Pooling
 from inlinelm.structured.compiler import CompiledGrammar
 from inlinelm.structured.matcher import ReasoningGate
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,8 @@ class LazySubmission:
     arrival: float
     # A chat's reasoning parser: None the engine's, "none" no split (a completion's)
     reasoning: ReasoningParser | str | None = "none"
+    # A pooling request's pooling (Engine.embed, Engine.score); None: it generates
+    pooling: Pooling | None = None
 
     async def submit(self) -> Submission:
         """Start the engine if needed, tokenize and admit the request, and hand it over."""
@@ -116,6 +122,7 @@ class Submitter:
         request_id: str | None,
         arrival_time: float | None,
         reasoning: ReasoningParser | str | None = "none",
+        pooling: Pooling | None = None,
     ) -> RequestStream:
         """The request's stream, submitted now when the engine is started and the prompt
         small enough to tokenize on the loop (and it has no grammar to compile);
@@ -126,7 +133,7 @@ class Submitter:
             raise RequestError("request_id must be a non-empty string", param="request_id")
         self.check_usable()
         check_limits(self.config, params)
-        pending = LazySubmission(self, source, params, rid, arrival, reasoning)
+        pending = LazySubmission(self, source, params, rid, arrival, reasoning, pooling)
         stream = RequestStream(rid, pending, delta=params.output_kind is OutputKind.DELTA)
         # NOTE: a request with a grammar always takes the lazy path: its grammar compiles
         # on a worker thread, and a bad one raises from ``await stream.submit()``.
@@ -172,6 +179,15 @@ class Submitter:
             return encode(loaded, source)
         return await self._workers.tokenize(encode, loaded, source)
 
+    async def prepare(self, fn: Callable[[LoadedEngine], T], size: int) -> T:
+        """``fn(loaded)`` once started: on the event loop for inputs of up to
+        ``max_inline_prompt_chars`` (``size``), else on a tokenizer worker thread."""
+        await self._start()
+        loaded = self.require_loaded()
+        if size <= self.config.max_inline_prompt_chars:
+            return fn(loaded)
+        return await self._workers.tokenize(fn, loaded)
+
     async def texts(self, lists: list[list[int]]) -> list[str]:
         """The text of each token-id list (``Engine.detokenize_all``): decoded on a worker
         thread past ``max_inline_prompt_chars // 4`` ids in all."""
@@ -196,10 +212,14 @@ class Submitter:
         self.check_usable()
         admit_count(self.config, self._handle)
         source = pending.source
+        check_task(loaded, task_of(pending.pooling))
         params = loaded.admission.with_defaults(
             pending.params, len(prompt_ids), chat=source.is_chat
         )
-        loaded.admission.check_lengths(prompt_ids, params, source.param)
+        if pending.pooling is None:
+            loaded.admission.check_lengths(prompt_ids, params, source.param)
+        else:
+            check_pooled_length(loaded, len(prompt_ids), source.param)
         admit_tokens(self.config, self._handle, len(prompt_ids))
         loop = asyncio.get_running_loop()
         bridge = self._loop_bridge(loop)
@@ -218,6 +238,8 @@ class Submitter:
         requests = engine_requests(
             parent, children, loaded.eos_token_id, pending.arrival, share_prefix=share
         )
+        for request in requests:
+            request.pooling = pending.pooling
         if grammar is not None:
             # NOTE: a reasoning model's grammar constrains only what follows its reasoning
             end_ids = loaded.reasoning_end_ids(parser, prompt_ids)
@@ -279,6 +301,39 @@ def encode(loaded: LoadedEngine, source: PromptSource) -> list[int]:
     """The token ids of ``source`` (its chat rendered first); ``RequestError`` when bad."""
     prompt: Prompt = source.make(loaded.tokenizer)
     return loaded.admission.tokenize(prompt, source.add_special_tokens, source.param)
+
+
+TASK_NAMES = {"generate": "text generation", "embed": "embeddings", "score": "scores"}
+
+
+def check_task(loaded: LoadedEngine, wanted: str) -> None:
+    """A ``RequestError`` (``param="model"``) for a request of a task the engine does not
+    serve (``wanted``: "generate", "embed" or "score"): text from an embedder, an
+    embedding from a chat model."""
+    if wanted != loaded.task:
+        raise RequestError(
+            f"this model serves {TASK_NAMES[loaded.task]} (task={loaded.task!r}), "
+            f"not {TASK_NAMES[wanted]}",
+            param="model",
+        )
+
+
+def task_of(pooling: Pooling | None) -> str:
+    """The task a request asks for: "generate" without a pooling."""
+    if pooling is None:
+        return "generate"
+    return "embed" if pooling.head == "embed" else "score"
+
+
+def check_pooled_length(loaded: LoadedEngine, num_tokens: int, param: str) -> None:
+    """A pooling request's input must fit the model whole (no output follows it)."""
+    limit = loaded.max_pooled_tokens
+    if num_tokens > limit:
+        raise RequestError(
+            f"this model's maximum input length is {limit} tokens; the input has "
+            f"{num_tokens} tokens (set truncate_prompt_tokens to cut it)",
+            param=param,
+        )
 
 
 def admit_count(config: EngineConfig, handle: CoreHandle) -> None:

@@ -64,6 +64,11 @@ class EngineCoreOutput:
     # Why a request finished with FinishReason.ERROR, when it is the request's own doing
     # (its grammar failed): the caller gets it as a RequestError.
     error: str | None = None
+    # A pooling request's result (its one output, which finishes it).
+    pooled: list[float] | None = None
+    # The prompt's logprobs (``params.prompt_logprobs``), with the request's first token:
+    # one entry per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 from inlinelm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from inlinelm.sched.output import TokenLogprobs
+    from inlinelm.sched.pooling import Pooling
     from inlinelm.structured.matcher import GrammarMatcher, ReasoningGate
 
 
@@ -107,6 +109,12 @@ class Request:
     # reasoning (see ReasoningGate); the scheduler and runner treat the request as
     # constrained meanwhile, so no token is sampled past the tag unmasked.
     grammar_gate: ReasoningGate | None = None
+    # A pooling request: computes its prompt once and returns a vector, never a token.
+    pooling: Pooling | None = None
+    # The prompt's logprobs as steps compute them (``params.prompt_logprobs`` set): entry
+    # ``j`` for prompt token ``j + 1``; sent with the first sampled token.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     # Prompt then output tokens: a live list kept by append_output_token; read it, never
     # mutate it. A plain field, not a property: the step path reads it for every request.
     all_token_ids: list[int] = field(init=False, repr=False)

@@ -16,6 +16,11 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    # Pooling requests whose last prompt token this step computed: their results.
+    pooled: dict[str, list[float]] | None = None
+    # Prompt logprobs computed this step, by request: ``(first prompt index, entries)``,
+    # entry ``i`` for prompt token ``first + i``.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 class Runner(Protocol):

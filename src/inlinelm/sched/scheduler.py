@@ -31,10 +31,21 @@ from collections.abc import Iterable
 
 from inlinelm.config import EngineConfig
 from inlinelm.sched.budget import StepBudget
-from inlinelm.sched.kv_cache_manager import KVCacheManager, PrefixCacheStats, served_context_len
-from inlinelm.sched.output import EngineCoreOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from inlinelm.sched.kv_cache_manager import (
+    ComputedBlocks,
+    KVCacheManager,
+    PrefixCacheStats,
+    served_context_len,
+)
+from inlinelm.sched.output import EngineCoreOutput, ScheduledRequest, SchedulerOutput
 from inlinelm.sched.request import FinishReason, Request, RequestStatus
 from inlinelm.sched.runner import ModelRunnerOutput
+from inlinelm.sched.step_outputs import (
+    finish_output,
+    keep_prompt_logprobs,
+    pooled_output,
+    token_output,
+)
 from inlinelm.sched.stop_checks import check_stop
 from inlinelm.sched.waiting_queue import WaitingQueue
 
@@ -237,7 +248,11 @@ class Scheduler:
         if limit is not None and not request.long_context and request.num_tokens > limit:
             request.long_context = True
             request.block_hashes.clear()  # NOTE: hashed as a shorter sequence's
-        computed = self.kv_cache.get_computed_blocks(request)
+        computed = (
+            ComputedBlocks()
+            if _computes_whole_prompt(request)
+            else self.kv_cache.get_computed_blocks(request)
+        )
         num_new = request.num_tokens - computed.num_tokens
         num_tokens = self._num_tokens_to_schedule(num_new, budget)
         if num_tokens == 0 or not self.kv_cache.allocate_slots(request, num_tokens, computed):
@@ -344,6 +359,13 @@ class Scheduler:
             # NOTE: a block becomes full only when the computed count crosses a block end.
             if caching and computed // block_size != (computed - num_tokens) // block_size:
                 self.kv_cache.cache_full_blocks(request)
+            if out.prompt_logprobs is not None and request.request_id in out.prompt_logprobs:
+                keep_prompt_logprobs(request, *out.prompt_logprobs[request.request_id])
+            if request.pooling is not None:
+                if out.pooled is not None and request.request_id in out.pooled:
+                    self._finish(request, FinishReason.STOP)
+                    outputs.append(pooled_output(request, out.pooled[request.request_id]))
+                continue
             index = sampled.get(request.request_id)
             if index is not None:
                 outputs.append(self._append_token(request, out, index))
@@ -353,27 +375,11 @@ class Scheduler:
     def _append_token(
         self, request: Request, out: ModelRunnerOutput, index: int
     ) -> EngineCoreOutput:
-        assert request.num_computed_tokens == len(request.all_token_ids), "sampled before the end"
-        token_id = out.sampled_token_ids[index]
-        request.append_output_token(token_id)
-        output = EngineCoreOutput(
-            request.request_id,
-            [token_id],
-            None,
-            None,
-            None if out.logprobs is None else _logprobs_at(out, index),
-            request.num_cached_tokens,
-        )
-        reason = check_stop(request, token_id, self.max_model_len)
+        output = token_output(request, out, index)
+        reason = check_stop(request, output.new_token_ids[0], self.max_model_len)
         if reason is not None:
-            if reason is FinishReason.ERROR and request.grammar is not None:
-                output.error = (
-                    f"the output's grammar failed at output token {request.num_output_tokens}: "
-                    f"{request.grammar.error or 'it refused the token'}"
-                )
+            finish_output(output, request, reason)
             self._finish(request, reason)
-            output.finish_reason = reason
-            output.stop_reason = request.stop_reason
         return output
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
@@ -397,6 +403,10 @@ def _reaches_max_tokens(request: Request, pending: int) -> bool:
     return max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens
 
 
-def _logprobs_at(out: ModelRunnerOutput, index: int) -> list[TokenLogprobs] | None:
-    entry = out.logprobs[index] if out.logprobs is not None else None
-    return [entry] if entry is not None else None
+def _computes_whole_prompt(request: Request) -> bool:
+    """Whether ``request`` reads every prompt position's result (its prompt logprobs, or a
+    pooling over all tokens): a prefix from the cache would skip them, so it takes none."""
+    pooling = request.pooling
+    return request.params.prompt_logprobs is not None or (
+        pooling is not None and pooling.needs_every_position
+    )

@@ -162,7 +162,16 @@ def _check_hf_folder(path: Path) -> None:
     """A readable, valid config.json and weight files that exist (nothing is read from them)."""
     if not (path / "config.json").is_file():
         raise ModelLoadError("missing config.json", path=str(path / "config.json"))
-    read_model_config(path)
+    from inlinelm.gpu.model.encoders.config import is_encoder_config, read_encoder_config
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        raw = None  # NOTE: read_model_config names the fault
+    if isinstance(raw, dict) and is_encoder_config(raw):
+        read_encoder_config(path)
+    else:
+        read_model_config(path)
     weight_files(path)
 
 

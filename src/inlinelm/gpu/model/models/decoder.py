@@ -135,6 +135,20 @@ class DecoderModel(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Run all layers over the flat batch; return float32 logits [len(logits_indices), V]."""
+        return self.compute_logits(
+            self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices)
+        )
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run all layers over the flat batch; return the final-normed hidden states of the
+        ``indices`` tokens ``[len(indices), hidden]`` (what the LM head reads)."""
         x = self.scale_embeddings(self.embed_tokens(input_ids))
         tables = [self.rotary.cos_sin_cache]
         if self.local_rotary is not None:
@@ -146,8 +160,12 @@ class DecoderModel(nn.Module):
             x, residual = self.run_layers(x, positions, tables, kv_caches, meta)
         else:
             x, residual = stacked
-        x, _ = self.norm.add_and_norm(x[logits_indices], residual[logits_indices])
-        return self.finish_logits(self.lm_head(x)).float()
+        x, _ = self.norm.add_and_norm(x[indices], residual[indices])
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[rows, V]`` of final-normed hidden states."""
+        return self.finish_logits(self.lm_head(hidden)).float()
 
     def run_layers(
         self,

@@ -31,8 +31,9 @@ from inlinelm.cli import (
     engine_config,
     main,
 )
-from inlinelm.cli_options import ENGINE_HELP
+from inlinelm.cli_options import ENGINE_HELP, engine_configs, served_models
 from inlinelm.config import EngineConfig
+from inlinelm.runtime.engine import Engine
 from tests.conftest import TOKENIZER_FILES
 from tests.gpu.loading.bad_gguf import tiny_gguf_parts, write_gguf
 
@@ -314,6 +315,98 @@ def test_vllm_underscore_spellings_are_the_dashed_flags(monkeypatch: pytest.Monk
     assert args.served_model_name == "a_b"  # a value keeps its underscores
 
 
+def _serve_args(*argv: str) -> Any:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_several_models_each_get_every_engine_flag_and_a_name() -> None:
+    args = _serve_args("--model", "chat=default", "--model", "small=default", "--max-num-seqs", "8")
+    configs = engine_configs(args)
+    assert list(configs) == ["chat", "small"]
+    assert all(c.model == "default" and c.max_num_seqs == 8 for c in configs.values())
+    assert engine_config(args) == configs["chat"]  # the first model's
+
+
+def test_a_model_without_a_name_is_served_under_its_own(tmp_path: Path) -> None:
+    folder = tmp_path / "run=3"  # an existing path is a model, '=' or not
+    folder.mkdir()
+    argv = ["--model", "/models/qwen.gguf", "--model", "default", "--model", str(folder)]
+    assert served_models(_serve_args(*argv)) == {
+        "qwen.gguf": "/models/qwen.gguf",
+        "default": "default",
+        "run=3": str(folder),
+    }
+    for model in served_models(_serve_args(*argv)).values():
+        assert Engine(model=model).model_name in served_models(_serve_args(*argv))
+    assert served_models(_serve_args()) == {"default": "default"}
+    assert served_models(_serve_args("--served-model-name", "smol")) == {"smol": "default"}
+    assert served_models(_serve_args("--model", "smol=default")) == {"smol": "default"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "default", "--model", "default"], "two models are served as 'default'"),
+        (["--model", "a/m.gguf", "--model", "b/m.gguf"], "two models are served as 'm.gguf'"),
+        (["--model", "a=default", "--model", "b/a"], "two models are served as 'a'"),
+        (
+            ["--model", "a=default", "--model", "b=default", "--served-model-name", "c"],
+            "--served-model-name names a single model",
+        ),
+        (["--model", "a=default", "--model", "b=default", "--ray"], "--ray serves a single model"),
+        (["--model", "=default"], "give both NAME and MODEL"),
+        (["--model", "a="], "give both NAME and MODEL"),
+        (["--model", "a=default", "--served-model-name", "b"], "the model is named twice"),
+    ],
+)
+def test_models_that_cannot_be_served_together_exit_with_usage(
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cli, "serve", _must_not_serve)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--runner", "echo", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: inlinelm serve") and "inlinelm serve: error: " in err
+    assert message in err
+
+
+def test_every_model_is_checked_before_anything_loads(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli, "serve", _must_not_serve)
+    assert main(["serve", "--model", "default", "--model", "b=/nope", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model '/nope' does not exist" in err
+
+
+def test_several_models_make_one_app_of_several_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    import inlinelm.api
+
+    class Made(Exception):
+        pass
+
+    seen: dict[str, Any] = {}
+
+    def create_app(engines: Any, **options: object) -> None:
+        seen.update(options, engines=engines)
+        raise Made
+
+    monkeypatch.setattr(inlinelm.api, "create_app", create_app)
+    args = _serve_args("--runner", "echo", "--model", "a=default", "--model", "b=default")
+    with pytest.raises(Made):
+        cli.serve(args)
+    engines = seen["engines"]
+    assert list(engines) == ["a", "b"] and seen["model_name"] is None
+    assert all(isinstance(e, Engine) and e.config.runner == "echo" for e in engines.values())
+    with pytest.raises(Made):
+        cli.serve(_serve_args("--runner", "echo", "--model", "a=default"))
+    assert isinstance(seen["engines"], Engine) and seen["model_name"] == "a"
+
+
 @pytest.fixture
 def listening() -> Iterator[int]:
     """A port of 127.0.0.1 another server listens on."""
@@ -444,6 +537,27 @@ def test_python_m_inlinelm_serve_streams_a_chat_and_logs_each_request() -> None:
     (log,) = [line for line in stderr.splitlines() if "request chatcmpl-" in line]
     assert "prompt_tokens=" in log and "output_tokens=5" in log and "ttft=" in log and "e2e=" in log
     assert "finish=length" in log
+
+
+def test_python_m_inlinelm_serve_serves_two_models_by_name() -> None:
+    command, port = serve_command("--model", "chat=default", "--model", "small=default")
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_until_serving(url, process)
+        models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+        body = {"prompt": "one two", "max_tokens": 2}
+        replies = [
+            httpx.post(f"{url}/v1/completions", json={**body, "model": m}, timeout=30)
+            for m in ("small", "gpt-4o")
+        ]
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
+    assert [m["id"] for m in models] == ["chat", "small"]
+    assert replies[0].json()["model"] == "small" and replies[0].json()["choices"][0]["text"]
+    assert replies[1].status_code == 404
 
 
 def test_ctrl_c_mid_stream_ends_it_with_an_error_event_then_done_then_stops() -> None:

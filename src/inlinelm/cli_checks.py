@@ -2,7 +2,7 @@
 
 A mistake found here costs milliseconds, where the same mistake found by the server would
 cost the model's load (seconds, gigabytes): the options, the API key, the address to
-listen on (bound and released at once), the model's architecture (its config.json or its
+listen on (bound and released at once), each model's architecture (its config.json or its
 GGUF header, never its weights), its tokenizer's files, and the device. Each is a
 ``ConfigError`` or ``ModelLoadError`` for ``main`` to print in one line.
 """
@@ -16,7 +16,7 @@ import os
 import socket
 from pathlib import Path
 
-from inlinelm.cli_options import api_key, edge_limits, engine_config
+from inlinelm.cli_options import api_key, edge_limits, engine_configs
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.loading.model_files import check_model, check_tokenizer_files, default_model_path
@@ -26,7 +26,7 @@ MAX_PORT = 65535
 
 def check_serve(args: argparse.Namespace) -> None:
     """What ``serve`` can know is wrong before it starts the server: the options, the
-    address and the device (``ConfigError``), the model and its tokenizer
+    address and the device (``ConfigError``), each model and its tokenizer
     (``ModelLoadError``); nothing is loaded."""
     from inlinelm.runtime.loader import check_device
 
@@ -40,14 +40,15 @@ def check_serve(args: argparse.Namespace) -> None:
         raise ConfigError("--ray-dashboard needs --ray", option="ray_dashboard")
     api_key(args, os.environ)
     edge_limits(args)
-    config = engine_config(args)
+    configs = list(engine_configs(args).values())
     # NOTE: on a Ray cluster ($RAY_ADDRESS) Serve's proxy listens there, not here.
     check_address(args.host, args.port, bind=not (args.ray and os.environ.get("RAY_ADDRESS")))
-    if config.runner == "echo" and config.model == "default":
-        return
-    check_model_files(config)
-    if config.runner == "model":
-        check_device(config.device)
+    for config in configs:
+        if config.runner == "echo" and config.model == "default":
+            continue
+        check_model_files(config)
+        if config.runner == "model":
+            check_device(config.device)
 
 
 def check_ray() -> None:

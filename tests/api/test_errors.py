@@ -43,7 +43,6 @@ def check_error(
         ),
         ("/v1/chat/completions", {"messages": USER, "top_p": 2}, "top_p", None),
         ("/v1/chat/completions", {"messages": USER, "n": 5}, "n", None),
-        ("/v1/chat/completions", {"messages": USER, "model": "gpt-4o"}, "model", "model_not_found"),
         (
             "/v1/chat/completions",
             {"messages": USER, "response_format": {"type": "json_schema"}},
@@ -77,6 +76,25 @@ def test_bad_requests_are_400_naming_the_field(
             param=param,
             code=code,
         )
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": USER}),
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/responses", {"input": "x"}),
+        ("/tokenize", {"prompt": "x"}),
+        ("/detokenize", {"tokens": [1]}),
+    ],
+)
+def test_a_model_not_served_is_a_404_as_openai_answers_it(
+    base_url: str, path: str, body: dict[str, Any]
+) -> None:
+    response = httpx.post(f"{base_url}{path}", json={**body, "model": "gpt-4o"})
+    error = check_error(response, 404, param="model", code="model_not_found")
+    assert error["type"] == "invalid_request_error"
+    assert error["message"] == "The model `gpt-4o` does not exist; this server serves: default"
 
 
 def test_a_prompt_longer_than_the_context_is_a_400_before_any_stream(base_url: str) -> None:

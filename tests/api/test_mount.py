@@ -89,7 +89,7 @@ def test_two_engines_under_two_prefixes(
                 model=name, prompt="one two", max_tokens=2, stream=True
             )
             assert "".join(c.choices[0].text for c in stream if c.choices) == "one two"
-            with pytest.raises(openai.BadRequestError):
+            with pytest.raises(openai.NotFoundError):
                 client.chat.completions.create(
                     model="alpha" if name == "beta" else "beta", messages=USER
                 )

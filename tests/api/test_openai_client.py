@@ -134,9 +134,9 @@ def test_errors_raise_the_clients_exceptions(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="default", messages=USER, temperature=-1)
     assert info.value.param == "temperature"
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as not_found:
         client.chat.completions.create(model="gpt-4", messages=USER)
-    assert info.value.code == "model_not_found"
+    assert not_found.value.code == "model_not_found" and not_found.value.param == "model"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model="default",

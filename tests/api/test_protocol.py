@@ -178,7 +178,7 @@ def test_completion_defaults_and_fields() -> None:
     [
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
-        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"max_completion_tokens": 3}, "max_completion_tokens"),
         ({"best_of": 2}, "best_of"),
         ({"suffix": "x"}, "suffix"),

@@ -2,7 +2,9 @@
 
 ``openai_router(engine)`` returns a router to mount under any prefix of any Starlette or
 FastAPI app (the host's middleware and auth apply); ``create_app(engine_or_config)`` builds
-an app whose lifespan starts and closes the engine.
+an app whose lifespan starts and closes the engine. Both also take a mapping of model names
+to engines (``create_app``: or configs), and serve each request with the engine its
+``model`` names.
 """
 
 from inlinelm.api.app import create_app

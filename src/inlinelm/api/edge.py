@@ -30,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import uvicorn
 from starlette.types import ASGIApp
 
-from inlinelm.api.app import uvicorn_options
+from inlinelm.api.app import start_all, uvicorn_options
 from inlinelm.api.edge_limits import EdgeLimits as EdgeLimits  # NOTE: README imports it here
 from inlinelm.errors import InlineLMError
 
@@ -83,8 +84,9 @@ def server_config(
 
 
 class EdgeServer(uvicorn.Server):
-    """uvicorn's server as ``inlinelm serve`` runs it: the engine starts before any socket
-    is bound, and every connection is served by :func:`edge_protocol` (with httptools).
+    """uvicorn's server as ``inlinelm serve`` runs it: the engine (or each of several
+    ``engines``, in order) starts before any socket is bound, and every connection is
+    served by :func:`edge_protocol` (with httptools).
 
     A start that fails with an ``InlineLMError`` (a model that does not load, an option
     the machine cannot honour) ends the run before the app's lifespan and before any
@@ -93,16 +95,18 @@ class EdgeServer(uvicorn.Server):
     ends the run once it has loaded, without serving.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, limits: EdgeLimits) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engines: Engine | Sequence[Engine], limits: EdgeLimits
+    ) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.engines = list(engines) if isinstance(engines, Sequence) else [engines]
         self.limits = limits
         self.startup_error: InlineLMError | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """Start the engine, then uvicorn's start-up (lifespan, sockets) on the edge protocol."""
+        """Start the engines, then uvicorn's start-up (lifespan, sockets) on the edge protocol."""
         try:
-            await self.engine.start()
+            await start_all(self.engines)
         except InlineLMError as error:
             self.startup_error = error
             self.should_exit = True

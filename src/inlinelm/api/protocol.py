@@ -81,6 +81,8 @@ class CompletionRequest:
     echo: bool
     logprobs: int | None
     user: str | None
+    # vLLM's prompt_logprobs field was given: each choice shows them
+    show_prompt_logprobs: bool = False
 
 
 def parse_chat(data: Any, limits: Limits) -> ChatRequest:
@@ -161,16 +163,15 @@ def parse_completion(data: Any, limits: Limits) -> CompletionRequest:
     prompts = _read_prompts(fields)
     logprobs = fields.read_int("logprobs", None)
     echo = fields.read_bool("echo", False)
-    if echo and logprobs is not None:
-        # NOTE: echo with logprobs needs prompt logprobs, which the engine does not compute;
-        # answering with generated logprobs only would silently misalign them.
-        raise bad_request(
-            "echo together with logprobs is not supported yet", "echo", code="unsupported_parameter"
-        )
+    prompt_logprobs = fields.read_int("prompt_logprobs", None)
     stream, include_usage = _read_stream(fields)
     options = _read_sampling(fields, max_tokens=fields.read_int("max_tokens", 16), stream=stream)
     _check_fanout(len(prompts), options["n"], limits)
     options["logprobs"] = logprobs
+    # NOTE: echo with logprobs shows the prompt's logprobs too (OpenAI's legacy shape)
+    if echo and logprobs is not None:
+        prompt_logprobs = max(logprobs, prompt_logprobs or 0)
+    options["prompt_logprobs"] = prompt_logprobs
     options["structured"] = read_constraint(fields)[0]
     request = CompletionRequest(
         model=fields.read_str("model", None),
@@ -181,6 +182,7 @@ def parse_completion(data: Any, limits: Limits) -> CompletionRequest:
         echo=echo,
         logprobs=logprobs,
         user=fields.read_str("user", None),
+        show_prompt_logprobs=fields.has("prompt_logprobs"),
     )
     fields.refuse_rest()
     return request

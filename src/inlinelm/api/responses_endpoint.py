@@ -20,13 +20,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from inlinelm.api.body import parse_json, read_body
 from inlinelm.api.disconnect import finals_unless_disconnected
 from inlinelm.api.errors import APIError, from_exception
 from inlinelm.api.formats import ChoiceFormat
@@ -40,6 +39,9 @@ from inlinelm.api.serving import OpenAIServing, error_response
 from inlinelm.api.sse import EventStreamResponse, OutputStream, encode
 from inlinelm.runtime.outputs import RequestOutput
 
+if TYPE_CHECKING:
+    from inlinelm.api.model_table import JsonBody
+
 logger = logging.getLogger("inlinelm.api")
 
 
@@ -49,15 +51,15 @@ class ResponsesEndpoint:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def create(self, request: Request) -> Response:
-        arrival = time.perf_counter()  # NOTE: before the body is read: TTFT starts here.
+    async def create(self, request: Request, body: JsonBody) -> Response:
+        """``POST /v1/responses`` of the parsed ``body`` (read and matched to this model by
+        the router's dispatch)."""
         serving = self.serving
         try:
-            body = await read_body(request, serving.max_request_bytes)
-            asked = read_responses_request(parse_json(body))
+            asked = read_responses_request(body.data)
             rid = new_id("resp")
             try:
-                parsed, stream = await serving.open_chat(asked.chat, rid, arrival, len(body))
+                parsed, stream = await serving.open_chat(asked.chat, rid, body.arrival, body.size)
             except APIError as exc:
                 raise _renamed(exc) from None
         except Exception as exc:

@@ -3,21 +3,21 @@
 
 Everything that can be wrong with a request is found before the 200 is sent: the body is
 parsed and checked, and the engine validates, tokenizes and admits the request
-synchronously in ``Engine.stream``/``Engine.chat``. An answer is a stream of SSE chunks
-(``stream``) or one JSON body; a client that leaves either way aborts its requests.
+synchronously in ``Engine.stream``/``Engine.chat``; the body comes read, and matched to
+this model, by the router's dispatch (:mod:`inlinelm.api.model_table`). An answer is a
+stream of SSE chunks (``stream``) or one JSON body; a client that leaves either way aborts
+its requests.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from inlinelm.api.body import parse_json, read_body
 from inlinelm.api.disconnect import finals_unless_disconnected
 from inlinelm.api.errors import APIError, bad_request, from_exception
 from inlinelm.api.formats import ChatFormat, ChoiceFormat, CompletionFormat
@@ -48,21 +48,24 @@ from inlinelm.tools.parsers import ToolParser
 from inlinelm.tools.template import chat_template_text
 
 if TYPE_CHECKING:
+    from inlinelm.api.model_table import JsonBody
     from inlinelm.runtime.engine import Engine
 
 logger = logging.getLogger("inlinelm.api")
 
 
 class OpenAIServing:
-    """The chat and completion handlers behind :func:`~inlinelm.api.openai_router`.
+    """The chat and completion handlers of one served model behind
+    :func:`~inlinelm.api.openai_router`.
 
-    ``model_name``: the id a request must name, if it names one. ``max_request_bytes``
-    bounds a body, ``max_fanout`` the engine requests one body becomes (prompts × ``n``);
-    idle streams get an SSE comment every ``sse_ping_s`` seconds; ``reasoning_parser``
-    splits a reasoning model's chat answers (:mod:`inlinelm.api.reasoning_format`; None:
-    the engine's, unless ``reasoning_chosen``, which makes None mean none);
-    ``tool_parser`` reads
-    tool calls out of chats with ``tool_choice`` "auto" (None: the chat template's own).
+    ``model_name``: the id the model is served as (answers name it; the router's dispatch
+    has matched each body's ``model`` to it). ``max_request_bytes`` bounds a body,
+    ``max_fanout`` the engine requests one body becomes (prompts × ``n``); idle streams
+    get an SSE comment every ``sse_ping_s`` seconds; ``reasoning_parser`` splits a
+    reasoning model's chat answers (:mod:`inlinelm.api.reasoning_format`; None: the
+    engine's, unless ``reasoning_chosen``, which makes None mean none); ``tool_parser``
+    reads tool calls out of chats with ``tool_choice`` "auto" (None: the chat template's
+    own).
     """
 
     def __init__(
@@ -88,13 +91,12 @@ class OpenAIServing:
         self._texts: TokenTexts | None = None
         self._chat_template: str | None = None
 
-    async def chat_completions(self, request: Request) -> Response:
-        """``POST /v1/chat/completions``."""
-        arrival = time.perf_counter()  # NOTE: before the body is read: TTFT starts here.
+    async def chat_completions(self, request: Request, body: JsonBody) -> Response:
+        """``POST /v1/chat/completions`` of the parsed ``body``."""
+        arrival = body.arrival
         try:
-            body = await read_body(request, self.max_request_bytes)
             rid = new_id("chatcmpl")
-            parsed, stream = await self.open_chat(parse_json(body), rid, arrival, len(body))
+            parsed, stream = await self.open_chat(body.data, rid, arrival, body.size)
         except Exception as exc:
             return error_response(exc)
         header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
@@ -109,7 +111,6 @@ class OpenAIServing:
         """Parse a chat body (``data``: its JSON) and hand the chat to the engine (``size``:
         the body's bytes); every error raises here, before any response starts."""
         parsed = parse_chat(data, self.limits)
-        self._check_model(parsed.model)
         await ready(self.engine)
         messages, tools = self.tools.inputs(parsed)
         stream = await self._start_chat(parsed, messages, tools, rid, arrival, size)
@@ -123,22 +124,27 @@ class OpenAIServing:
             fmt = ReasoningChatFormat(fmt, parsed.include_reasoning, self.texts(), parsed.logprobs)
         return fmt
 
-    async def completions(self, request: Request) -> Response:
-        """``POST /v1/completions``; a list of prompts makes one engine request per prompt."""
-        arrival = time.perf_counter()  # NOTE: before the body is read: TTFT starts here.
+    async def completions(self, request: Request, body: JsonBody) -> Response:
+        """``POST /v1/completions`` of the parsed ``body``; a list of prompts makes one
+        engine request per prompt."""
+        arrival = body.arrival
         try:
-            body = await read_body(request, self.max_request_bytes)
-            parsed = parse_completion(parse_json(body), self.limits)
-            self._check_model(parsed.model)
+            parsed = parse_completion(body.data, self.limits)
             await ready(self.engine)
             rid = new_id("cmpl")
-            streams = await self._start_all(parsed.prompts, parsed.params, rid, arrival, len(body))
+            streams = await self._start_all(parsed.prompts, parsed.params, rid, arrival, body.size)
             n = parsed.params.n
             prompt_texts = await self._prompt_texts(parsed.prompts, n) if parsed.echo else {}
         except Exception as exc:
             return error_response(exc)
         header = ResponseHeader(rid, self.model_name, include_usage=parsed.include_usage)
-        fmt = CompletionFormat(self.texts(), parsed.logprobs is not None, parsed.echo, prompt_texts)
+        fmt = CompletionFormat(
+            self.texts(),
+            parsed.logprobs is not None,
+            parsed.echo,
+            prompt_texts,
+            parsed.params.prompt_logprobs is not None and parsed.show_prompt_logprobs,
+        )
         if parsed.stream:
             return self._stream_response(streams, header, fmt, n, arrival)
         return await self._whole_response(request, streams, header, fmt, n, arrival)
@@ -241,6 +247,7 @@ class OpenAIServing:
             tally,
             lambda t: log_streamed(header.id, t),
             text_frame,
+            fmt.note_prompt if isinstance(fmt, CompletionFormat) else None,
         )
         return EventStreamResponse(
             event_stream(streams, plan), ping_s=self.sse_ping_s, streams=streams
@@ -263,6 +270,10 @@ class OpenAIServing:
         if finals is None:
             logger.info("request %s: client disconnected, aborted", header.id)
             return Response(status_code=499)
+        if isinstance(fmt, CompletionFormat):
+            for i, final in enumerate(finals):
+                for c in final.outputs:
+                    fmt.note_prompt(i * n + c.index, final)
         choices = [
             fmt.whole(i * n + c.index, c) for i, final in enumerate(finals) for c in final.outputs
         ]
@@ -275,15 +286,6 @@ class OpenAIServing:
             fmt.response_object, choices, usage(prompt_tokens, completion_tokens, reasoning_tokens)
         )
         return JSONResponse(body)
-
-    def _check_model(self, model: str | None) -> None:
-        # NOTE: a missing model is the served one (curl users omit it); a wrong one is an error.
-        if model is not None and model != self.model_name:
-            raise bad_request(
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                "model",
-                code="model_not_found",
-            )
 
     async def _prompt_texts(self, prompts: Sequence[Prompt], n: int) -> dict[int, str]:
         """Choice index → its prompt as text (for ``echo``); token-id prompts are decoded

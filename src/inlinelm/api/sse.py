@@ -122,6 +122,8 @@ class StreamPlan:
     tally: StreamTally
     on_done: Callable[[StreamTally], None]
     text_frame: TextFrame | None = None
+    # Called with (choice index, output) for an output that brings the prompt's logprobs.
+    on_prompt: Callable[[int, RequestOutput], None] | None = None
 
 
 def encode(payload: dict[str, Any]) -> bytes:
@@ -215,6 +217,9 @@ def _step_frames(
     header, fmt, tally = plan.header, plan.format, plan.tally
     data = b""
     has_text = False
+    if out.prompt_logprobs is not None and plan.on_prompt is not None:
+        for choice in out.outputs:
+            plan.on_prompt(base + choice.index, out)
     for choice in out.outputs:
         index = base + choice.index
         tally.completion_tokens += len(choice.token_ids)

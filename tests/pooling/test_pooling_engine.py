@@ -217,3 +217,25 @@ def test_wrong_tasks_and_bad_input_are_refused(
         run(Engine(model=str(models["bert-cls"]), task="generate").start())
     with pytest.raises(ConfigError, match="it serves score"):
         run(Engine(model=str(models["cross"]), task="embed").start())
+
+
+def test_a_bare_decoder_saved_without_its_lm_head_embeds(tmp_path: Path) -> None:
+    """Qwen3-Embedding's layout: the inner ``Qwen3Model`` saved (names without
+    ``model.``, no ``lm_head``), tied embeddings, sentence-transformers files."""
+    from transformers import Qwen3ForCausalLM
+
+    causal = builders.make_qwen3_embedder(tmp_path / "causal")
+    bare = tmp_path / "bare"
+    Qwen3ForCausalLM.from_pretrained(str(causal)).model.save_pretrained(str(bare))
+    for path in causal.iterdir():
+        if not (bare / path.name).exists():
+            if path.is_dir():
+                import shutil
+
+                shutil.copytree(path, bare / path.name)
+            else:
+                (bare / path.name).write_bytes(path.read_bytes())
+    expected = _st(causal).encode(TEXTS, convert_to_tensor=True)
+    outs = _embed(bare, lambda e: e.embed(TEXTS))
+    got = torch.tensor([o.embedding for o in outs])
+    torch.testing.assert_close(got, expected, rtol=0, atol=atol_for(causal, expected))

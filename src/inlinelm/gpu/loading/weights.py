@@ -226,7 +226,11 @@ def _load_file(
 
 
 def _target(name: str, cfg: ModelConfig) -> _Target | None:
-    """Map a Hugging Face tensor name to our parameter and shard (None: not ours to load)."""
+    """Map a Hugging Face tensor name to our parameter and shard (None: not ours to load).
+    A bare decoder's names (``layers.0...``, as sentence-transformers saves an embedder
+    such as Qwen3-Embedding) read as the causal LM's ``model.`` ones."""
+    if not name.startswith(("model.", "lm_head.")):
+        name = f"model.{name}"
     if name == "model.embed_tokens.weight":
         return _Target("embed_tokens.weight", "all")
     if name == "model.norm.weight":

@@ -50,6 +50,9 @@ SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)
 SUPPORTED_ARCHITECTURES = tuple(a for family in FAMILIES for a in family.architectures)
 """The ``architectures`` entries of a config we run (a checkpoint of another head, such as
 a classifier or an encoder, holds other tensors)."""
+BARE_ARCHITECTURES = tuple(a.removesuffix("ForCausalLM") + "Model" for a in SUPPORTED_ARCHITECTURES)
+"""The same decoders saved without their LM head (``Qwen3Model``: how sentence-transformers
+saves a decoder embedder such as Qwen3-Embedding)."""
 
 
 def family_of(model_type: str) -> Family:
@@ -113,7 +116,7 @@ def _family(fields: ConfigFields) -> Family:
         return family
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
         raise fields.error("architectures", f"invalid architectures: {show(architectures)}")
-    if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+    if not set(architectures) & {*SUPPORTED_ARCHITECTURES, *BARE_ARCHITECTURES}:
         raise fields.error(
             "architectures",
             f"unsupported architectures {show(architectures)}; inlinelm runs causal LMs: "

@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 from inlinelm.errors import ModelLoadError
+
+
+def read_config_json(folder: Path) -> dict[str, Any]:
+    """``folder/config.json`` as a dict; a ``ModelLoadError`` naming the file when it
+    cannot be read or is not a JSON object."""
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    # NOTE: ValueError covers bad JSON, bad UTF-8 and integers past Python's digit limit.
+    except (OSError, ValueError, RecursionError) as e:
+        raise ModelLoadError(f"cannot read config ({e})", path=str(path)) from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(
+            f"config is a JSON {type(raw).__name__}, not an object", path=str(path)
+        )
+    return raw
 
 
 class ConfigFields:

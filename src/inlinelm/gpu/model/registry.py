@@ -8,14 +8,12 @@ The README's table of supported architectures is generated from :data:`FAMILIES`
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from inlinelm.errors import ModelLoadError
 from inlinelm.gpu.attention.metadata import AttentionBackend
 from inlinelm.gpu.model.config import ModelConfig, base_config
-from inlinelm.gpu.model.fields import ConfigFields, show
+from inlinelm.gpu.model.fields import ConfigFields, read_config_json, show
 from inlinelm.gpu.model.kernels import Kernels
 from inlinelm.gpu.model.models.decoder import DecoderModel
 from inlinelm.gpu.model.models.family import Family
@@ -67,17 +65,7 @@ def read_model_config(folder: Path) -> ModelConfig:
     a value of the wrong type or out of range, head counts that do not divide, an
     architecture we do not run. Sizes are not judged here (see ``model_memory``).
     """
-    path = folder / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    # NOTE: ValueError covers bad JSON, bad UTF-8 and integers past Python's digit limit.
-    except (OSError, ValueError, RecursionError) as e:
-        raise ModelLoadError(f"cannot read config ({e})", path=str(path)) from e
-    if not isinstance(raw, dict):
-        raise ModelLoadError(
-            f"config is a JSON {type(raw).__name__}, not an object", path=str(path)
-        )
-    return parse_config(raw, str(path))
+    return parse_config(read_config_json(folder), str(folder / "config.json"))
 
 
 def parse_config(raw: dict[str, Any], path: str) -> ModelConfig:

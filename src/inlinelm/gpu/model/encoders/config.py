@@ -8,13 +8,11 @@ defaults, those only one family reads; :func:`read_encoder_config` checks each f
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from inlinelm.errors import ModelLoadError
-from inlinelm.gpu.model.fields import ConfigFields, show
+from inlinelm.gpu.model.fields import ConfigFields, read_config_json, show
 
 ENCODER_MODEL_TYPES: tuple[str, ...] = ("bert", "xlm-roberta", "modernbert")
 """The config.json ``model_type`` values :func:`read_encoder_config` reads."""
@@ -97,17 +95,7 @@ def read_encoder_config(folder: Path) -> EncoderConfig:
     of range, heads that do not divide the hidden size, a setting we do not run (relative
     position embeddings, a decoder BERT, a RoPE scaling).
     """
-    path = folder / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    # NOTE: ValueError covers bad JSON, bad UTF-8 and integers past Python's digit limit.
-    except (OSError, ValueError, RecursionError) as e:
-        raise ModelLoadError(f"cannot read config ({e})", path=str(path)) from e
-    if not isinstance(raw, dict):
-        raise ModelLoadError(
-            f"config is a JSON {type(raw).__name__}, not an object", path=str(path)
-        )
-    return parse_encoder_config(raw, str(path))
+    return parse_encoder_config(read_config_json(folder), str(folder / "config.json"))
 
 
 def parse_encoder_config(raw: dict[str, Any], path: str) -> EncoderConfig:

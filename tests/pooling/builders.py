@@ -13,6 +13,7 @@ an optional ``2_Normalize`` module and ``config_sentence_transformers.json`` wit
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +62,11 @@ def _save_tokenizer(tok: Tokenizer, folder: Path, **specials: Any) -> None:
     fast.save_pretrained(str(folder))
 
 
-def bert_tokenizer() -> Tokenizer:
-    """Lowercasing WordPiece, ``[PAD]`` = 0; pairs get token type 1 on their second text."""
+def bert_tokenizer(more_words: Sequence[str] = ()) -> Tokenizer:
+    """Lowercasing WordPiece, ``[PAD]`` = 0; pairs get token type 1 on their second text.
+    ``more_words`` join the vocabulary after the fixed word list."""
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    pieces = [*specials, *CHARS, *(f"##{c}" for c in CHARS), *WORDS]
+    pieces = [*specials, *CHARS, *(f"##{c}" for c in CHARS), *WORDS, *more_words]
     vocab = {piece: i for i, piece in enumerate(dict.fromkeys(pieces))}
     tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)

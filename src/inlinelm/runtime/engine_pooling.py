@@ -51,7 +51,8 @@ class EnginePooling(EngineBase):
         Texts get the model's prompt first: ``prompt_name`` names one of its
         sentence-transformers prompts (default: its default prompt, if any).
         ``normalize`` overrides the model's L2 normalisation; ``dimensions`` keeps the
-        first values of each vector (Matryoshka), normalised after the cut.
+        first values of each vector (Matryoshka), renormalised after the cut (unless
+        ``normalize=False``).
         ``truncate_prompt_tokens`` cuts longer inputs to that many tokens (-1: the model's
         longest); without it an input that does not fit is a ``RequestError``, and no
         input of the call is submitted.

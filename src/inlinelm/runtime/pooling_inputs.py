@@ -75,12 +75,12 @@ def embed_inputs(
     """Token ids and pooling of each input to embed."""
     pooler = loaded.pooler
     assert pooler is not None and pooler.task == "embed"
-    pooling = Pooling(
-        "embed",
-        pooler.method,
-        pooler.normalize if options.normalize is None else options.normalize,
-        _dimensions(options.dimensions, pooler.dimensions),
-    )
+    dimensions = _dimensions(options.dimensions, pooler.dimensions)
+    normalize = options.normalize
+    if normalize is None:
+        # NOTE: a Matryoshka cut is renormalised unless the request says otherwise
+        normalize = pooler.normalize or dimensions is not None
+    pooling = Pooling("embed", pooler.method, normalize, dimensions)
     prefix = _prompt(pooler.prompts, pooler.default_prompt, options.prompt_name)
     limit = _limit(loaded, options.truncate_prompt_tokens)
     texts = [i for i, item in enumerate(inputs) if isinstance(item, str)]

@@ -237,6 +237,11 @@ def make_bert(
     return folder
 
 
+def make_roberta(folder: Path, **options: Any) -> Path:
+    """A 2-layer RoBERTa: :func:`make_xlm_roberta`'s model as ``model_type`` ``roberta``."""
+    return make_xlm_roberta(folder, roberta=True, **options)
+
+
 def make_bert_cross_encoder(folder: Path) -> Path:
     """A BERT cross-encoder: ``BertForSequenceClassification`` with one label."""
     return make_bert(folder, classifier=True, num_labels=1)
@@ -249,17 +254,20 @@ def make_xlm_roberta(
     num_labels: int = 1,
     sentence_transformers: str | None = None,
     normalize: bool = False,
+    roberta: bool = False,
 ) -> Path:
-    """A 2-layer XLM-RoBERTa (hidden 32, one token type, positions from ``pad + 1``)."""
-    from transformers import (
-        XLMRobertaConfig,
-        XLMRobertaForSequenceClassification,
-        XLMRobertaModel,
-    )
+    """A 2-layer XLM-RoBERTa (hidden 32, one token type, positions from ``pad + 1``);
+    with ``roberta``, the same as a RoBERTa (``model_type`` ``roberta``)."""
+    import transformers
+
+    prefix = "Roberta" if roberta else "XLMRoberta"
+    config_class = getattr(transformers, f"{prefix}Config")
+    head = "ForSequenceClassification" if classifier else "Model"
+    model_class = getattr(transformers, f"{prefix}{head}")
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab_size = _save_xlm_roberta_tokenizer(folder)
-    config = XLMRobertaConfig(
+    config = config_class(
         vocab_size=vocab_size,
         max_position_embeddings=MAX_LEN + 2,  # positions start at pad_token_id + 1 = 2
         type_vocab_size=1,
@@ -269,7 +277,6 @@ def make_xlm_roberta(
         num_labels=num_labels,
         **_encoder_shape(),
     )
-    model_class = XLMRobertaForSequenceClassification if classifier else XLMRobertaModel
     _save_model(model_class, config, folder)
     if sentence_transformers is not None:
         write_sentence_transformers(folder, sentence_transformers, 32, normalize=normalize)

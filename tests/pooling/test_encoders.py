@@ -131,6 +131,7 @@ def split_rows(hidden: torch.Tensor, seqs: list[Sequence]) -> list[torch.Tensor]
 
 ENCODERS = {
     "bert": builders.make_bert,
+    "roberta": builders.make_roberta,
     "xlm-roberta": builders.make_xlm_roberta,
     "modernbert": builders.make_modernbert,
 }
@@ -228,6 +229,7 @@ CLASSIFIERS: dict[str, tuple[Callable[..., Path], dict[str, Any]]] = {
     "bert-cross-encoder": (builders.make_bert_cross_encoder, {}),
     "bert-3-labels": (builders.make_bert, {"classifier": True, "num_labels": 3}),
     "xlm-roberta": (builders.make_xlm_roberta, {"classifier": True}),
+    "roberta": (builders.make_roberta, {"classifier": True}),
     "modernbert-cls": (builders.make_modernbert, {"classifier": True}),
     "modernbert-mean": (
         builders.make_modernbert,

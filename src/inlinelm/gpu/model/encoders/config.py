@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from inlinelm.gpu.model.fields import ConfigFields, read_config_json, show
 
-ENCODER_MODEL_TYPES: tuple[str, ...] = ("bert", "xlm-roberta", "modernbert")
+ENCODER_MODEL_TYPES: tuple[str, ...] = ("bert", "roberta", "xlm-roberta", "modernbert")
 """The config.json ``model_type`` values :func:`read_encoder_config` reads."""
 
 MAX_LAYERS = 1024
@@ -32,7 +32,7 @@ _ACTIVATIONS: dict[str, Activation] = {
     "silu": "silu",
     "swish": "silu",
 }
-_DEFAULT_PAD = {"bert": 0, "xlm-roberta": 1, "modernbert": 50283}
+_DEFAULT_PAD = {"bert": 0, "roberta": 1, "xlm-roberta": 1, "modernbert": 50283}
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +125,7 @@ def _bert(fields: ConfigFields, model_type: str) -> EncoderConfig:
     if fields.boolean("is_decoder", False):
         raise fields.error("is_decoder", "a decoder BERT is not an encoder")
     pad = fields.non_negative_int("pad_token_id", _DEFAULT_PAD[model_type])
-    offset = pad + 1 if model_type == "xlm-roberta" else 0
+    offset = pad + 1 if model_type in ("roberta", "xlm-roberta") else 0
     cfg = replace(
         _shared(fields, model_type, pad, eps_name="layer_norm_eps", eps=1e-12),
         activation=_activation(fields, "hidden_act"),

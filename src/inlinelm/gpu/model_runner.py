@@ -233,7 +233,9 @@ class ModelRunner:
         inputs = self.batch.prepare(rows, num_scheduled, starts, samples)
         staging = HostStaging(self.device)
         prompt = PromptOutputs.of(batch, inputs)
-        run_model = self._run_model if prompt is None else self._prompt_run(prompt)
+        run_model: RunModel = self._run_model
+        if prompt is not None:
+            run_model = prompt.forward(self.model, self.kv_caches, self._plan, self._pool_sums)
         # NOTE: a step with prompt outputs runs eagerly: a graph returns logits alone.
         graphs = self.graphs if prompt is None else None
         forward = stage_forward(
@@ -287,6 +289,9 @@ class ModelRunner:
             kv_caches,
         )
 
+    def _plan(self, meta: AttentionMetadata) -> None:
+        self.backend.prepare(meta, self.config.block_size)
+
     def _run_model(
         self,
         meta: AttentionMetadata,
@@ -301,27 +306,6 @@ class ModelRunner:
         caches = self.kv_caches if kv_caches is None else kv_caches
         logits: torch.Tensor = self.model(input_ids, positions, caches, meta, logits_indices)
         return logits
-
-    def _prompt_run(self, prompt: PromptOutputs) -> RunModel:
-        """The step's forward for ``prompt``'s requests: the hidden states of their rows
-        come back beside the sampling rows' and become their results."""
-        rows = torch.from_numpy(prompt.rows()).to(self.device)
-
-        def run(
-            meta: AttentionMetadata,
-            input_ids: torch.Tensor,
-            positions: torch.Tensor,
-            logits_indices: torch.Tensor,
-        ) -> torch.Tensor:
-            self.backend.prepare(meta, self.config.block_size)
-            wanted = torch.cat([logits_indices, rows])
-            hidden = self.model.hidden_states(input_ids, positions, self.kv_caches, meta, wanted)
-            num_sampling = len(logits_indices)
-            prompt.read(hidden[num_sampling:], self.model.compute_logits, self._pool_sums)
-            logits: torch.Tensor = self.model.compute_logits(hidden[:num_sampling])
-            return logits
-
-        return run
 
     def _sync_rows(
         self, batch: SchedulerOutput

@@ -19,8 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from inlinelm.gpu.attention.metadata import AttentionMetadata
 from inlinelm.gpu.input_batch import StepInputs
+from inlinelm.gpu.model.models.decoder import DecoderModel
 from inlinelm.gpu.pooling import embeddings, token_pair_scores
+from inlinelm.gpu.step_forward import RunModel
 from inlinelm.sched.output import SchedulerOutput, TokenLogprobs
 from inlinelm.sched.pooling import Pooling
 from inlinelm.sched.request import Request
@@ -90,6 +93,33 @@ class PromptOutputs:
         if not pooling and not logprobs:
             return None  # NOTE: decodes of requests whose prompt logprobs are done
         return cls(pooling, logprobs)
+
+    def forward(
+        self,
+        model: DecoderModel,
+        kv_caches: list[torch.Tensor],
+        plan: Callable[[AttentionMetadata], None],
+        sums: PoolSums,
+    ) -> RunModel:
+        """The step's forward (``plan`` readies attention for its metadata): the hidden
+        states of :meth:`rows` come back beside the sampling rows' and become the results;
+        the sampling rows' logits are returned."""
+        rows = torch.from_numpy(self.rows()).to(model.embed_tokens.weight.device)
+
+        def run(
+            meta: AttentionMetadata,
+            input_ids: torch.Tensor,
+            positions: torch.Tensor,
+            logits_indices: torch.Tensor,
+        ) -> torch.Tensor:
+            plan(meta)
+            wanted = torch.cat([logits_indices, rows])
+            hidden = model.hidden_states(input_ids, positions, kv_caches, meta, wanted)
+            num_sampling = len(logits_indices)
+            self.read(hidden[num_sampling:], model.compute_logits, sums)
+            return model.compute_logits(hidden[:num_sampling])
+
+        return run
 
     def rows(self) -> np.ndarray:
         """The flat rows whose hidden states the step must return (beside the sampling

@@ -22,7 +22,8 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from inlinelm.api import create_app, openai_router
-from inlinelm.api.model_table import JsonBody, ModelTable
+from inlinelm.api.body import JsonBody
+from inlinelm.api.model_table import ModelTable
 from inlinelm.api.serving import OpenAIServing
 from inlinelm.config import EngineConfig
 from inlinelm.runtime.engine import Engine

@@ -8,6 +8,7 @@ wherever it arrives.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -97,3 +98,13 @@ def _too_large(max_bytes: int) -> APIError:
         param=None,
         code="request_too_large",
     )
+
+
+@dataclass(frozen=True, slots=True)
+class JsonBody:
+    """A request body, read once by :meth:`ModelTable.dispatch`: ``data`` its parsed JSON,
+    ``size`` its bytes, ``arrival`` the ``time.perf_counter()`` before it was read."""
+
+    data: Any
+    size: int
+    arrival: float

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from inlinelm.api.access import Endpoint
-from inlinelm.api.body import parse_json, read_body
+from inlinelm.api.body import JsonBody, parse_json, read_body
 from inlinelm.api.errors import APIError, bad_request
 from inlinelm.api.fields import Fields
 from inlinelm.api.serving import error_response
@@ -51,16 +50,6 @@ if TYPE_CHECKING:
 
 MAX_SHOWN_NAME_CHARS = 200
 """How much of an unknown model's name a 404 quotes back (the rest is cut)."""
-
-
-@dataclass(frozen=True, slots=True)
-class JsonBody:
-    """A request body, read once by :meth:`ModelTable.dispatch`: ``data`` its parsed JSON,
-    ``size`` its bytes, ``arrival`` the ``time.perf_counter()`` before it was read."""
-
-    data: Any
-    size: int
-    arrival: float
 
 
 BodyHandler = Callable[[Request, JsonBody], Awaitable[Response]]

@@ -28,7 +28,7 @@ from inlinelm.api.serving import error_response, ready
 from inlinelm.runtime.outputs import ScoreOutput
 
 if TYPE_CHECKING:
-    from inlinelm.api.model_table import JsonBody
+    from inlinelm.api.body import JsonBody
     from inlinelm.api.serving import OpenAIServing
 
 TASK_ENDPOINTS = {

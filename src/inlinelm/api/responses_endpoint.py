@@ -40,7 +40,7 @@ from inlinelm.api.sse import EventStreamResponse, OutputStream, encode
 from inlinelm.runtime.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from inlinelm.api.model_table import JsonBody
+    from inlinelm.api.body import JsonBody
 
 logger = logging.getLogger("inlinelm.api")
 

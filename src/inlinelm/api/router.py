@@ -40,9 +40,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
 from inlinelm.api.access import Access, Endpoint
+from inlinelm.api.body import JsonBody
 from inlinelm.api.errors import bad_request
 from inlinelm.api.model_metrics import metrics_registry
-from inlinelm.api.model_table import BodyHandler, JsonBody, ModelTable
+from inlinelm.api.model_table import BodyHandler, ModelTable
 from inlinelm.api.pooling_endpoints import PoolingEndpoints
 from inlinelm.api.protocol import (
     DEFAULT_MAX_FANOUT,

@@ -48,7 +48,7 @@ from inlinelm.tools.parsers import ToolParser
 from inlinelm.tools.template import chat_template_text
 
 if TYPE_CHECKING:
-    from inlinelm.api.model_table import JsonBody
+    from inlinelm.api.body import JsonBody
     from inlinelm.runtime.engine import Engine
 
 logger = logging.getLogger("inlinelm.api")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from inlinelm.sched.logprobs import TokenLogprobs as TokenLogprobs  # re-exported
 from inlinelm.sched.request import FinishReason
 
 if TYPE_CHECKING:
@@ -40,15 +41,6 @@ class SchedulerOutput:
     num_batched_tokens: int
     # Requests the runner must forget (finished, aborted or preempted since the last step).
     removed_ids: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprobs at one position: the sampled token first, then the top-N, with ranks."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    sampled_rank: int
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from inlinelm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from inlinelm.sched.output import TokenLogprobs
+    from inlinelm.sched.logprobs import TokenLogprobs
     from inlinelm.sched.pooling import Pooling
     from inlinelm.structured.matcher import GrammarMatcher, ReasoningGate
 

@@ -31,7 +31,8 @@ from inlinelm.cli import (
     engine_config,
     main,
 )
-from inlinelm.cli_options import ENGINE_HELP, engine_configs, served_models
+from inlinelm.cli_models import engine_configs, served_models
+from inlinelm.cli_options import ENGINE_HELP
 from inlinelm.config import EngineConfig
 from inlinelm.runtime.engine import Engine
 from tests.conftest import TOKENIZER_FILES

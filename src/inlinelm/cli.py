@@ -19,18 +19,15 @@ from collections.abc import Mapping, Sequence
 
 from inlinelm.api.access import LOOPBACK_HOSTS, host_name
 from inlinelm.cli_checks import check_serve
+from inlinelm.cli_models import UsageError, engine_config, engine_configs, served_models
 from inlinelm.cli_options import (
     API_KEY_ENV,
-    UsageError,
     api_key,
     build_parser,
     dashed_flags,
     edge_limits,
-    engine_config,
-    engine_configs,
     flag_names,
     key_source,
-    served_models,
     unknown_flags_message,
 )
 from inlinelm.errors import InlineLMError
@@ -122,7 +119,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def serve_on_ray(args: argparse.Namespace) -> int:
     """``serve --ray``: :func:`~inlinelm.serve.ray.build_app` run until interrupted (one
-    model: :func:`~inlinelm.cli_options.served_models` refuses several with ``--ray``).
+    model: :func:`~inlinelm.cli_models.served_models` refuses several with ``--ray``).
 
     Without ``$RAY_ADDRESS`` the local Ray instance must listen on loopback only; Ray
     decides that when it is imported, from ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, so the

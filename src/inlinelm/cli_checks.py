@@ -16,7 +16,8 @@ import os
 import socket
 from pathlib import Path
 
-from inlinelm.cli_options import api_key, edge_limits, engine_configs
+from inlinelm.cli_models import engine_configs
+from inlinelm.cli_options import api_key, edge_limits
 from inlinelm.config import EngineConfig
 from inlinelm.errors import ConfigError
 from inlinelm.gpu.loading.model_files import check_model, check_tokenizer_files, default_model_path

@@ -48,6 +48,18 @@ FillPending = Callable[[torch.Tensor], None]
 """Writes the tokens sampled by steps in flight into a step's ``input_ids`` (on the device)."""
 
 
+def graphs_capturable(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a CUDA graph can capture ``model``'s decode step (a sparse MLP off its
+    grouped GEMM reads expert counts on the host)."""
+    from inlinelm.gpu.model.layers.moe import SparseMoE
+
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoE) and not module.runs_grouped(device, dtype):
+            logger.warning("CUDA graphs off: %s's experts run one at a time here", name)
+            return False
+    return True
+
+
 def build_decode_graphs(
     model: Callable[..., torch.Tensor],
     kv_caches: list[torch.Tensor],

@@ -16,7 +16,7 @@ from inlinelm.config import EngineConfig
 from inlinelm.gpu.attention.metadata import AttentionMetadata, IntArray
 from inlinelm.gpu.attention.select import make_attention_backend, select_attention_backend
 from inlinelm.gpu.cpu_threads import CpuThreads
-from inlinelm.gpu.cuda_graphs import DecodeGraphs, build_decode_graphs
+from inlinelm.gpu.cuda_graphs import DecodeGraphs, build_decode_graphs, graphs_capturable
 from inlinelm.gpu.input_batch import InputBatch
 from inlinelm.gpu.kv_cache import (
     KVCacheSpec,
@@ -29,7 +29,6 @@ from inlinelm.gpu.kv_cache import (
 from inlinelm.gpu.loading.weights import load_model
 from inlinelm.gpu.model.cpu_extension import cpu_ops
 from inlinelm.gpu.model.kernels import make_kernels
-from inlinelm.gpu.model.layers.moe import SparseMoE
 from inlinelm.gpu.model.models.decoder import DecoderModel
 from inlinelm.gpu.model.rope import long_context_from
 from inlinelm.gpu.model_fit import DTYPES, ModelFit, check_model_fits
@@ -356,17 +355,8 @@ class ModelRunner:
     def _ensure_graphs(self) -> None:
         if not self._graphs_built and self.overlaps and not self.config.enforce_eager:
             self._graphs_built = True  # NOTE: once, captured or refused
-            if self._capturable():
+            if graphs_capturable(self.model, self.device, self.dtype):
                 self.build_graphs(capture=True)
-
-    def _capturable(self) -> bool:
-        """Whether a CUDA graph can capture a decode step (a sparse MLP off its grouped GEMM
-        reads expert counts on the host)."""
-        for name, module in self.model.named_modules():
-            if isinstance(module, SparseMoE) and not module.runs_grouped(self.device, self.dtype):
-                logger.warning("CUDA graphs off: %s's experts run one at a time here", name)
-                return False
-        return True
 
     def _close_step_state(self) -> None:
         """Release the decode graphs and any step still in flight."""

@@ -153,6 +153,15 @@ class Request:
         """True once the request stopped for any reason."""
         return self.status.is_finished
 
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether it reads every prompt position's result (its prompt logprobs, or a
+        pooling over all tokens): a prefix from the cache would skip them, so it takes none."""
+        pooling = self.pooling
+        return self.params.prompt_logprobs is not None or (
+            pooling is not None and pooling.needs_every_position
+        )
+
     def append_output_token(self, token_id: int) -> None:
         """Record one sampled token."""
         self.output_token_ids.append(token_id)

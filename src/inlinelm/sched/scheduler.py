@@ -248,11 +248,8 @@ class Scheduler:
         if limit is not None and not request.long_context and request.num_tokens > limit:
             request.long_context = True
             request.block_hashes.clear()  # NOTE: hashed as a shorter sequence's
-        computed = (
-            ComputedBlocks()
-            if _computes_whole_prompt(request)
-            else self.kv_cache.get_computed_blocks(request)
-        )
+        whole = request.computes_whole_prompt
+        computed = ComputedBlocks() if whole else self.kv_cache.get_computed_blocks(request)
         num_new = request.num_tokens - computed.num_tokens
         num_tokens = self._num_tokens_to_schedule(num_new, budget)
         if num_tokens == 0 or not self.kv_cache.allocate_slots(request, num_tokens, computed):
@@ -401,12 +398,3 @@ class Scheduler:
 def _reaches_max_tokens(request: Request, pending: int) -> bool:
     max_tokens = request.params.max_tokens
     return max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens
-
-
-def _computes_whole_prompt(request: Request) -> bool:
-    """Whether ``request`` reads every prompt position's result (its prompt logprobs, or a
-    pooling over all tokens): a prefix from the cache would skip them, so it takes none."""
-    pooling = request.pooling
-    return request.params.prompt_logprobs is not None or (
-        pooling is not None and pooling.needs_every_position
-    )

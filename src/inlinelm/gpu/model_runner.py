@@ -141,6 +141,8 @@ class ModelRunner:
         )
         self._in_flight: deque[StepInFlight] = deque()
         self._pool_sums: PoolSums = {}
+        # Live rows whose requests pool or want prompt logprobs (most steps have none).
+        self._prompt_ids: set[str] = set()
         self._current_threads = 0
         self._prepared_thread: int | None = None
         self._closed = False
@@ -227,11 +229,13 @@ class ModelRunner:
         for request_id in batch.removed_ids:
             self.batch.remove(request_id)
             self._pool_sums.pop(request_id, None)
+            self._prompt_ids.discard(request_id)
         rows, num_scheduled, starts, samples = self._sync_rows(batch)
         # 2) build the flat inputs and stage them with the sampling settings; one copy
         inputs = self.batch.prepare(rows, num_scheduled, starts, samples)
         staging = HostStaging(self.device)
-        prompt = PromptOutputs.of(batch, inputs)
+        # NOTE: the per-request look runs only while such a request holds a row.
+        prompt = PromptOutputs.of(batch, inputs) if self._prompt_ids else None
         run_model: RunModel = self._run_model
         if prompt is not None:
             run_model = prompt.forward(self.model, self.kv_caches, self._plan, self._pool_sums)
@@ -322,6 +326,8 @@ class ModelRunner:
                         request, seeded_generator(request.params.seed, self.device)
                     )
                     self._step_sampling.add_row(row, request)
+                    if request.pooling is not None or request.params.prompt_logprobs is not None:
+                        self._prompt_ids.add(request.request_id)
         rows = np.array(row_list, dtype=np.int64)
         self.batch.sync_blocks(rows, [request.block_ids for request in requests])
         return (

@@ -141,23 +141,32 @@ def base_config(fields: ConfigFields, model_type: str, *, model_wide_window: boo
     )
 
 
+def given_layer_types(fields: ConfigFields, num_layers: int) -> tuple[str, ...] | None:
+    """The config's ``layer_types`` checked (one of :data:`LAYER_TYPES` per layer), or
+    None when it gives none."""
+    given = fields.raw.get("layer_types")
+    if given is None:
+        return None
+    if (
+        not isinstance(given, list)
+        or len(given) != num_layers
+        or any(kind not in LAYER_TYPES for kind in given)
+    ):
+        raise fields.error(
+            "layer_types",
+            f"invalid layer_types: {show(given)} (one of {', '.join(LAYER_TYPES)} "
+            f"per layer, {num_layers} layers)",
+        )
+    return tuple(given)
+
+
 def layer_types(
     fields: ConfigFields, num_layers: int, window: int | None, *, model_wide_window: bool
 ) -> tuple[str, ...]:
     """Each layer's ``full_attention`` or ``sliding_attention``: the config's
     ``layer_types`` when given, else as ``base_config`` says."""
-    given = fields.raw.get("layer_types")
+    given = given_layer_types(fields, num_layers)
     if given is not None:
-        if (
-            not isinstance(given, list)
-            or len(given) != num_layers
-            or any(kind not in LAYER_TYPES for kind in given)
-        ):
-            raise fields.error(
-                "layer_types",
-                f"invalid layer_types: {show(given)} (one of {', '.join(LAYER_TYPES)} "
-                f"per layer, {num_layers} layers)",
-            )
         if "sliding_attention" in given and window is None:
             raise fields.error("sliding_window", "sliding layers need a sliding_window")
         return tuple(given)

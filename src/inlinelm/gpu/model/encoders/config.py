@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from inlinelm.gpu.model.config import given_layer_types
 from inlinelm.gpu.model.fields import ConfigFields, read_config_json, show
 
 ENCODER_MODEL_TYPES: tuple[str, ...] = ("bert", "roberta", "xlm-roberta", "modernbert")
@@ -232,21 +233,10 @@ def _layer_windows(fields: ConfigFields, num_layers: int) -> tuple[int | None, .
     when given, else every ``global_attn_every_n_layers``-th layer (from the first) is
     global. A local layer's token sees those within ``local_attention // 2``."""
     half = fields.positive_int("local_attention", 128) // 2
-    given = fields.raw.get("layer_types")
+    given = given_layer_types(fields, num_layers)
     if given is None:
         every = fields.positive_int("global_attn_every_n_layers", 3)
         return tuple(None if i % every == 0 else half for i in range(num_layers))
-    kinds = ("full_attention", "sliding_attention")
-    if (
-        not isinstance(given, list)
-        or len(given) != num_layers
-        or any(k not in kinds for k in given)
-    ):
-        raise fields.error(
-            "layer_types",
-            f"invalid layer_types: {show(given)} (one of {', '.join(kinds)} per layer, "
-            f"{num_layers} layers)",
-        )
     return tuple(half if kind == "sliding_attention" else None for kind in given)
 
 
